@@ -1,0 +1,1 @@
+"""Ray actor classes: EngineCoreActor, RegistryActor and the stats coordinator."""

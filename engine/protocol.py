@@ -1,0 +1,229 @@
+"""Wire types between clients and engine cores: msgspec structs, never pickle.
+
+Every struct here crosses a ZMQ socket. They are `array_like` (encoded as msgpack arrays, so
+field order is the format) and `omit_defaults`; new fields are only ever appended, with
+defaults, so an older peer still decodes a newer frame. Framing (one-byte request types,
+out-of-band tensor frames) is described in `engine.serial` and `engine.core_proc`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+# Bumped when a frame layout changes incompatibly; HELLO carries it and the engine refuses a
+# client that speaks another version.
+PROTOCOL_VERSION = 1
+
+# Utility call id reserved for engine-initiated notifications (elastic EP events). A frame with
+# this call id is an event for the client's notification handler, never a reply to a call.
+EEP_NOTIFICATION_CALL_ID = -1
+
+# First frame of the message an engine pushes to every attached client just before it exits on
+# a fatal error. The second frame is the engine index as ASCII digits.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class EngineCoreRequestType(enum.Enum):
+    """One-byte frame that precedes every client → engine payload."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    HELLO = b"\x04"
+    GOODBYE = b"\x05"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. Encoded as an int on the wire."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the model's context length
+    ABORT = 2  # aborted by its client (cancel, disconnect, death)
+    ERROR = 3  # rejected or failed; EngineCoreOutput.error_message says why
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed `RequestOutput` carries (client-side only)."""
+
+    CUMULATIVE = 0  # all tokens and text so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_GREEDY_EPSILON = 1e-5
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How to sample one request; names and defaults follow vLLM's `SamplingParams`.
+
+    Validation runs on construction and again when a peer's frame is decoded, so an invalid
+    value never reaches the scheduler.
+
+    Raises:
+        ValueError: on construction with an out-of-range value (msgspec.ValidationError when
+            decoded from the wire).
+    """
+
+    max_tokens: int | None = 16  # None: up to the model's context length
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    top_k: int = 0  # 0 or -1 disables
+    seed: int | None = None  # per-request generator; same seed, same tokens
+    min_tokens: int = 0  # EOS and stop_token_ids are masked before this many tokens
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """ADD payload: one tokenized request.
+
+    `client_index` is overwritten by the engine with the index bound to the sending
+    connection at HELLO, so a client can never route outputs to another client.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    client_index: int = 0
+    data_parallel_rank: int | None = None  # explicit rank pin, honoured by the DP LB client
+    current_wave: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs at one generated position: the sampled token first, then the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # rank of the sampled token in the full distribution (1 = argmax)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error_message: str | None = None  # set with FinishReason.ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Load snapshot of one engine; the DP coordinator publishes a vector of these.
+
+    Counters (`*_total`) are cumulative since the engine started; the rest are gauges.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_pending_prefill_tokens: int = 0  # prompt tokens not yet computed, waiting + running
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    step_counter: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found
+    num_preemptions_total: int = 0
+    num_prompt_tokens_total: int = 0  # prompt tokens computed (recompute included)
+    num_generation_tokens_total: int = 0
+
+
+class UtilityResult(msgspec.Struct, array_like=True, gc=False):
+    """Wraps a utility method's return value so that `None` is a result, not an absence."""
+
+    result: Any
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Reply to a UTILITY call (or an EEP notification when call_id is reserved)."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: UtilityResult | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One frame engine → client: outputs of one step for one client, and/or a utility reply."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
+
+
+class EngineHello(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """HELLO payload: a client attaches and tells the engine where to push its outputs.
+
+    The engine answers on the new PUSH connection with `UtilityOutput(call_id,
+    result=EngineFacts)`, or a failure message if it refuses the client.
+    """
+
+    client_index: int
+    output_address: str
+    call_id: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a client learns about an engine at HELLO."""
+
+    engine_index: int
+    identity: bytes
+    model: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    data_parallel_size: int = 1
+    protocol_version: int = PROTOCOL_VERSION
