@@ -1,0 +1,105 @@
+"""Checkpoint loading: a Hugging Face directory (config.json + safetensors) or a llama GGUF file.
+
+`load_model_arch` reads only metadata and, like the tokenizer, never imports torch;
+`load_weights` streams tensors under transformers names for a model to copy in by name. How a
+model shards or fuses them is the model's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.errors import ModelLoadError
+from engine.loader.builtin import smollm2_gguf_path
+from engine.loader.gguf_arch import model_arch_from_gguf
+from engine.loader.hf_config import model_arch_from_hf_dir
+from engine.loader.safetensors_loader import iter_safetensors_weights, weight_files
+from engine.model_arch import ModelArch
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["is_gguf_path", "load_model_arch", "load_weights", "smollm2_gguf_path"]
+
+
+def is_gguf_path(path: str) -> bool:
+    """True for a GGUF file (by extension, or by magic bytes for a file named otherwise)."""
+    file = Path(path)
+    if not file.is_file():
+        return False
+    if file.suffix == ".gguf":
+        return True
+    with file.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def load_model_arch(path: str) -> ModelArch:
+    """The architecture of a checkpoint, from its metadata only.
+
+    For a Hugging Face directory it also checks that the weight files are present, so a broken
+    checkpoint fails here rather than halfway through loading.
+
+    Args:
+        path: a Hugging Face checkpoint directory or a .gguf file.
+
+    Returns:
+        The checkpoint's ModelArch.
+
+    Raises:
+        ModelLoadError: missing path, missing config.json or weights, unsupported architecture.
+    """
+    if is_gguf_path(path):
+        return model_arch_from_gguf(path)
+    model_dir = _checkpoint_dir(path)
+    arch = model_arch_from_hf_dir(model_dir)
+    weight_files(model_dir)
+    return arch
+
+
+def load_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams a checkpoint's tensors as (transformers name, tensor), on the CPU.
+
+    Safetensors tensors keep their stored dtype; GGUF tensors are dequantized to float32. A
+    checkpoint with tied embeddings yields no lm_head.weight.
+
+    Names are those the checkpoint stores. For Mixtral that is the per-expert layout, which
+    transformers 5.x also writes (its in-memory modules fuse the experts; `save_pretrained`
+    splits them back):
+        model.layers.{i}.block_sparse_moe.gate.weight            (num_experts, hidden)
+        model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  (intermediate, hidden)  gate
+        model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight  (intermediate, hidden)  up
+        model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight  (hidden, intermediate)  down
+    transformers' in-memory equivalents: mlp.gate.weight, mlp.experts.gate_up_proj
+    (num_experts, 2 * intermediate, hidden) = cat(w1, w3) per expert, mlp.experts.down_proj
+    (num_experts, hidden, intermediate) = w2 per expert.
+
+    Args:
+        path: a Hugging Face checkpoint directory or a .gguf file.
+
+    Returns:
+        An iterator; errors in later shards surface while iterating.
+
+    Raises:
+        ModelLoadError: missing or corrupt files (naming the file), unsupported GGUF content.
+    """
+    if is_gguf_path(path):
+        # Imported here so that metadata and tokenizer users never pay for importing torch.
+        from engine.loader.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(path)
+    model_dir = _checkpoint_dir(path)
+    weight_files(model_dir)  # fail before the first tensor, not after some were consumed
+    return iter_safetensors_weights(model_dir)
+
+
+def _checkpoint_dir(path: str) -> Path:
+    model_dir = Path(path)
+    if not model_dir.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{path}: not a checkpoint directory or a .gguf file")
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json in the checkpoint directory")
+    return model_dir
