@@ -1,0 +1,158 @@
+"""`CoordinatorActor`: gathers every rank's load and publishes the vector to clients.
+
+Protocol (ZMQ, msgspec):
+    engine  --PUSH EngineStatsReport-->  PULL  [coordinator]  XPUB  --DPStatsSnapshot-->  SUB  client
+
+The coordinator keeps the latest report per rank. It publishes a snapshot of all of them
+(1) at most every 100 ms while any rank's stats change, (2) as a heartbeat once per second
+when nothing changes, and (3) at once when a new subscriber joins, so a client that attaches
+never waits a second for its first view. A rank's report carries the engine's own timestamp;
+clients use it to tell which of their sends a snapshot can already include.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import ray
+import zmq
+
+from engine.protocol import DPStatsSnapshot, EngineStatsReport
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_NAME = "shoal-coordinator"
+MIN_PUBLISH_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class CoordinatorActor:
+    """Ray actor running the stats loop on a background thread.
+
+    Args:
+        host: address to bind; empty: this node's IP.
+    """
+
+    def __init__(self, host: str = "") -> None:
+        host = host or ray.util.get_node_ip_address()
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        report_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self._xpub = self._context.socket(zmq.XPUB)
+        self._xpub.setsockopt(zmq.LINGER, 0)
+        self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscribe, not only the first
+        publish_port = self._xpub.bind_to_random_port(f"tcp://{host}")
+        self.report_address = f"tcp://{host}:{report_port}"
+        self.publish_address = f"tcp://{host}:{publish_port}"
+        self._latest: dict[int, EngineStatsReport] = {}
+        self._lock = threading.Lock()
+        self._num_published = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shoal-coordinator", daemon=True)
+        self._thread.start()
+
+    def addresses(self) -> tuple[str, str]:
+        """(address engines push reports to, address clients subscribe to)."""
+        return self.report_address, self.publish_address
+
+    def latest_stats(self) -> dict[int, dict[str, Any]]:
+        """The latest stats of every rank, as plain dicts (for `shoal status`).
+
+        Returns:
+            rank -> the `SchedulerStats` fields plus `timestamp`, the engine's report time.
+        """
+        with self._lock:
+            return {
+                rank: {**msgspec.structs.asdict(report.stats), "timestamp": report.timestamp}
+                for rank, report in self._latest.items()
+            }
+
+    def num_published(self) -> int:
+        """How many snapshots have been published so far."""
+        return self._num_published
+
+    def forget_rank(self, rank: int) -> None:
+        """Drops a removed rank's stats so snapshots stop carrying them."""
+        with self._lock:
+            self._latest.pop(rank, None)
+
+    def shutdown(self) -> None:
+        """Stops the loop and closes the sockets; the actor can then be killed."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:
+            # The actor stays up for `latest_stats` and `shutdown`; clients see the heartbeat
+            # stop, which is the signal they act on.
+            logger.exception("coordinator loop failed")
+        finally:
+            self._pull.close()
+            self._xpub.close()
+            self._context.term()
+
+    def _loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineStatsReport)
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._xpub, zmq.POLLIN)
+        last_publish, is_changed, has_new_subscriber = 0.0, False, False
+        while not self._stop.is_set():
+            interval = MIN_PUBLISH_INTERVAL_S if is_changed else HEARTBEAT_INTERVAL_S
+            wait_s = max(0.0, last_publish + interval - time.monotonic())
+            # Wake at least every 0.5 s so that `shutdown` is noticed.
+            events = dict(poller.poll(timeout=int(min(wait_s, 0.5) * 1000)))
+            if self._pull in events:
+                is_changed |= self._drain_reports(decoder)
+            if self._xpub in events:
+                has_new_subscriber |= self._drain_subscriptions()
+            now = time.monotonic()
+            interval = MIN_PUBLISH_INTERVAL_S if is_changed else HEARTBEAT_INTERVAL_S
+            if has_new_subscriber or now - last_publish >= interval:
+                self._publish(encoder)
+                last_publish, is_changed, has_new_subscriber = now, False, False
+
+    def _publish(self, encoder: msgspec.msgpack.Encoder) -> None:
+        with self._lock:
+            reports = [self._latest[rank] for rank in sorted(self._latest)]
+        self._num_published += 1
+        self._xpub.send(encoder.encode(DPStatsSnapshot(seq=self._num_published, reports=reports)))
+
+    def _drain_reports(self, decoder: msgspec.msgpack.Decoder[EngineStatsReport]) -> bool:
+        is_changed = False
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return is_changed
+            try:
+                if len(frames) != 1:
+                    raise msgspec.DecodeError(f"expected 1 frame, got {len(frames)}")
+                report = decoder.decode(frames[0])
+                if report.engine_index < 0:
+                    raise msgspec.DecodeError(f"negative engine_index {report.engine_index}")
+            except msgspec.DecodeError as e:
+                logger.warning("dropping a malformed stats report: %s", e)
+                continue
+            with self._lock:
+                previous = self._latest.get(report.engine_index)
+                is_changed |= previous is None or previous.stats != report.stats
+                self._latest[report.engine_index] = report
+
+    def _drain_subscriptions(self) -> bool:
+        has_joined = False
+        while True:
+            try:
+                message = self._xpub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return has_joined
+            # XPUB delivers b"\x01<topic>" on subscribe and b"\x00<topic>" on unsubscribe.
+            has_joined |= message[:1] == b"\x01"

@@ -1,0 +1,122 @@
+"""`EngineCoreActor`: a Ray actor hosting one `EngineCoreProc` (one DP rank).
+
+The busy loop runs on its own thread, and the actor is threaded (created with
+`max_concurrency > 1`), so control methods answer while the engine computes and the
+registry's liveness call can stay pending. On start — including every restart by Ray — the
+actor binds fresh sockets under a fresh identity and registers its endpoint with the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any
+
+import ray
+
+from actors.registry import REGISTRY_NAME, Membership
+from engine.config import EngineConfig
+from engine.core_proc import EngineCoreProc
+from engine.protocol import EngineEndpoint
+
+logger = logging.getLogger(__name__)
+
+# Control calls that may be in flight at once: ready/health/shutdown plus the registry's
+# ever-pending `wait_for_exit`.
+ENGINE_ACTOR_MAX_CONCURRENCY = 4
+
+
+ENGINE_ACTOR_PREFIX = "shoal-engine-"
+
+
+def engine_actor_name(rank: int) -> str:
+    return f"{ENGINE_ACTOR_PREFIX}{rank}"
+
+
+class EngineCoreActor:
+    """One engine rank.
+
+    Args:
+        config: the cluster's engine configuration (the rank is applied here).
+        rank: this engine's data-parallel rank.
+        namespace: the Ray namespace holding the registry.
+        host: the address to bind; default: this node's IP.
+
+    Raises:
+        KeyError: if the registry has not planned this rank.
+        ModelLoadError, ValueError: if the engine cannot be built.
+    """
+
+    def __init__(
+        self, config: EngineConfig, rank: int, namespace: str, host: str | None = None
+    ) -> None:
+        self.rank = rank
+        registry: Any = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        membership: Membership = ray.get(registry.membership.remote())
+        node_ip = host or ray.util.get_node_ip_address()
+        # A new identity per incarnation: clients must never confuse a restarted rank's
+        # connection with the dead one's.
+        identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
+        self.proc = EngineCoreProc(
+            config.with_rank(rank),
+            engine_index=rank,
+            host=node_ip,
+            identity=identity,
+            stats_address=membership.stats_report_address,
+        )
+        self.endpoint: EngineEndpoint = self.proc.endpoint
+        self._busy_loop = threading.Thread(
+            target=self._run_busy_loop, name=f"shoal-busy-loop-{rank}", daemon=True
+        )
+        self._busy_loop.start()
+        try:
+            self.incarnation: int = ray.get(registry.register_engine.remote(self.endpoint, node_ip))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "rank %d serving at %s (incarnation %d)",
+            rank,
+            self.endpoint.input_address,
+            self.incarnation,
+        )
+
+    def _run_busy_loop(self) -> None:
+        try:
+            self.proc.run_busy_loop()
+        except BaseException:
+            logger.exception(
+                "rank %d: busy loop failed; exiting so Ray restarts the actor", self.rank
+            )
+            # The proc has told its clients (ENGINE_CORE_DEAD). Ending the worker process is
+            # what lets Ray notice, restart this actor, and the registry mark the rank DEAD.
+            os._exit(1)
+
+    def ready(self) -> EngineEndpoint:
+        """Returns the endpoint once the engine is serving (the constructor has finished)."""
+        return self.endpoint
+
+    def health(self) -> dict[str, Any]:
+        """This incarnation's facts: rank, incarnation, identity, pid, whether the loop runs."""
+        return {
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "identity": self.endpoint.identity.decode(),
+            "is_busy_loop_alive": self._busy_loop.is_alive(),
+            "pid": os.getpid(),
+        }
+
+    def wait_for_exit(self) -> None:
+        """Blocks until the busy loop ends on purpose (`shutdown`).
+
+        The registry keeps this call pending as its liveness probe: if the actor dies, the
+        call fails with a RayActorError instead of returning.
+        """
+        self._busy_loop.join()
+
+    def shutdown(self) -> None:
+        """Stops the busy loop and closes the sockets; the actor can then be killed."""
+        self.proc.shutdown()
+        self._busy_loop.join(timeout=10)

@@ -1,0 +1,414 @@
+"""`RegistryActor`: the cluster's source of truth for membership, endpoints, epochs and clients.
+
+One named actor per namespace. Engines register their own ZMQ endpoints; the registry watches
+each registered engine actor and marks its rank DEAD the moment the actor dies. Clients read
+the membership and long-poll `wait_for_change` to learn of restarts and resizes. Control plane
+only: nothing here is on the per-request path, and it knows nothing of placement groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from engine.config import EngineConfig
+from engine.protocol import EngineEndpoint
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_NAME = "shoal-registry"
+
+# A client that has not long-polled or heartbeated for this long is pruned.
+CLIENT_TIMEOUT_S = 30.0
+
+# Method every engine actor offers for liveness: it blocks until the engine stops on purpose,
+# and fails (RayActorError) if the actor dies. Engines also offer `ready() -> EngineEndpoint`.
+ENGINE_WATCH_METHOD = "wait_for_exit"
+_UNAVAILABLE_RETRY_S = 0.2
+
+
+class RankState(str, enum.Enum):
+    """Life of one rank. STARTING → READY → (DEAD → READY)* → LEAVING → removed."""
+
+    STARTING = "starting"  # actor created, engine not yet bound
+    READY = "ready"  # endpoint registered, serving
+    DEAD = "dead"  # actor died; Ray may restart it, then it registers again
+    LEAVING = "leaving"  # elastic scale-down: clients stop routing to it
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as the registry sees it.
+
+    `incarnation` counts registrations: it bumps every time the rank's actor (re)starts and
+    registers, so a client can tell a restarted rank from the one it knew.
+    """
+
+    rank: int
+    state: RankState
+    actor_name: str
+    placement_group_name: str
+    incarnation: int = 0
+    endpoint: EngineEndpoint | None = None
+    node_ip: str = ""
+    changed_at: float = 0.0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.state == RankState.READY and self.endpoint is not None
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """An attached client (driver script, HTTP server) and when it was last heard from."""
+
+    client_index: int
+    name: str
+    attached_at: float
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A consistent view of the cluster at one epoch (every change bumps the epoch)."""
+
+    epoch: int
+    ranks: dict[int, RankInfo]
+    config: EngineConfig
+    stats_publish_address: str | None = None  # coordinator XPUB that clients subscribe to
+    stats_report_address: str | None = None  # coordinator PULL that engines push to
+    stopping: bool = False
+
+    def routable_endpoints(self) -> list[EngineEndpoint]:
+        """Endpoints of the READY ranks, by rank."""
+        ranks = sorted(self.ranks.values(), key=lambda r: r.rank)
+        return [r.endpoint for r in ranks if r.is_routable and r.endpoint is not None]
+
+
+@dataclass
+class _State:
+    config: EngineConfig
+    epoch: int = 0
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+    clients: dict[int, ClientInfo] = field(default_factory=dict)
+    stats_publish_address: str | None = None
+    stats_report_address: str | None = None
+    stopping: bool = False
+    scale_lock_owner: str | None = None
+    served_by: str | None = None
+
+
+class RegistryActor:
+    """Async Ray actor: all methods run on one event loop, so state needs no locks.
+
+    Args:
+        namespace: the Ray namespace the cluster lives in (engine actors are looked up there).
+        config: the engine configuration every rank is built from.
+        detached: whether the cluster outlives the driver that launched it.
+        client_timeout_s: a client silent for this long is pruned.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        config: EngineConfig,
+        detached: bool = False,
+        client_timeout_s: float = CLIENT_TIMEOUT_S,
+    ) -> None:
+        self.namespace = namespace
+        self.detached = detached
+        self.client_timeout_s = client_timeout_s
+        self._state = _State(config=config)
+        self._changed = asyncio.Event()
+        self._watchers: dict[int, asyncio.Task[None]] = {}
+
+    # --- membership ------------------------------------------------------------------------
+
+    async def plan_rank(self, rank: int, actor_name: str, placement_group_name: str) -> int:
+        """Records a rank the cluster is creating (state STARTING).
+
+        Returns:
+            The new epoch.
+        """
+        self._set_rank(RankInfo(rank, RankState.STARTING, actor_name, placement_group_name))
+        return self._bump()
+
+    async def register_engine(self, endpoint: EngineEndpoint, node_ip: str) -> int:
+        """Called by an engine actor once its sockets are bound (again after every restart).
+
+        The rank becomes READY (a LEAVING rank stays LEAVING) and its actor is watched from
+        now on: when the actor dies, the rank turns DEAD.
+
+        Returns:
+            The rank's new incarnation number.
+
+        Raises:
+            KeyError: if the rank was never planned (or has been removed).
+        """
+        rank = endpoint.engine_index
+        if rank not in self._state.ranks:
+            raise KeyError(f"rank {rank} is not planned in namespace {self.namespace!r}")
+        info = self._state.ranks[rank]
+        state = RankState.LEAVING if info.state == RankState.LEAVING else RankState.READY
+        incarnation = info.incarnation + 1
+        self._set_rank(
+            replace(info, state=state, incarnation=incarnation, endpoint=endpoint, node_ip=node_ip)
+        )
+        self._bump()
+        self._watch(rank, info.actor_name, endpoint.identity)
+        return incarnation
+
+    async def report_engine_dead(self, rank: int, identity: bytes) -> bool:
+        """Marks a rank DEAD if `identity` is still its current endpoint.
+
+        A report about an older incarnation (the rank has already re-registered) is ignored.
+
+        Returns:
+            Whether the rank was marked dead.
+        """
+        info = self._state.ranks.get(rank)
+        if info is None or info.endpoint is None or info.endpoint.identity != identity:
+            return False
+        if info.state not in (RankState.READY, RankState.LEAVING):
+            return False
+        self._set_rank(replace(info, state=RankState.DEAD))
+        self._bump()
+        return True
+
+    async def set_rank_leaving(self, rank: int) -> int:
+        """Marks a rank as leaving (clients stop routing to it). Returns the new epoch.
+
+        Raises:
+            KeyError: if the rank is unknown.
+        """
+        self._set_rank(replace(self._state.ranks[rank], state=RankState.LEAVING))
+        return self._bump()
+
+    async def remove_rank(self, rank: int) -> int:
+        """Forgets a rank (after its actor and placement group are gone). Returns the new epoch."""
+        self._state.ranks.pop(rank, None)
+        watcher = self._watchers.pop(rank, None)
+        if watcher is not None:
+            watcher.cancel()
+        return self._bump()
+
+    async def set_coordinator(self, report_address: str, publish_address: str) -> int:
+        """Records the coordinator's addresses. Returns the new epoch."""
+        self._state.stats_report_address = report_address
+        self._state.stats_publish_address = publish_address
+        return self._bump()
+
+    async def membership(self) -> Membership:
+        """The current membership (a copy)."""
+        s = self._state
+        return Membership(
+            epoch=s.epoch,
+            ranks=dict(s.ranks),
+            config=s.config,
+            stats_publish_address=s.stats_publish_address,
+            stats_report_address=s.stats_report_address,
+            stopping=s.stopping,
+        )
+
+    async def wait_for_change(
+        self, known_epoch: int, timeout_s: float = 10.0, client_index: int | None = None
+    ) -> Membership:
+        """Long-poll: returns as soon as the epoch differs from `known_epoch`, or at the timeout.
+
+        Args:
+            known_epoch: the epoch the caller already has.
+            timeout_s: the longest the call waits.
+            client_index: the caller's index; the call then doubles as its heartbeat.
+
+        Returns:
+            The membership at return time (its epoch equals `known_epoch` on timeout).
+        """
+        if client_index is not None:
+            self._touch_client(client_index)
+        deadline = time.monotonic() + timeout_s
+        while self._state.epoch == known_epoch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        return await self.membership()
+
+    # --- clients -----------------------------------------------------------------------------
+
+    async def attach_client(self, name: str) -> int:
+        """Attaches a client under the lowest free client index (gone clients are pruned first).
+
+        Returns:
+            The client's index; it goes into every request the client sends.
+        """
+        self._prune_clients()
+        index = next(i for i in range(len(self._state.clients) + 1) if i not in self._state.clients)
+        now = time.time()
+        self._state.clients[index] = ClientInfo(index, name, now, now)
+        return index
+
+    async def detach_client(self, client_index: int) -> None:
+        """Frees a client index (unknown indices are ignored)."""
+        self._state.clients.pop(client_index, None)
+
+    async def heartbeat_client(self, client_index: int) -> bool:
+        """Marks a client alive.
+
+        Returns:
+            False if the index is unknown (pruned or detached): the client must attach again.
+        """
+        return self._touch_client(client_index)
+
+    async def clients(self) -> list[ClientInfo]:
+        """The attached clients by index (gone clients are pruned first)."""
+        self._prune_clients()
+        return sorted(self._state.clients.values(), key=lambda c: c.client_index)
+
+    # --- lifecycle and scaling ------------------------------------------------------------------
+
+    async def set_served_by(self, server: str | None) -> None:
+        """Records the process that serves the cluster and tears it down on `request_stop`."""
+        self._state.served_by = server
+
+    async def request_stop(self) -> int:
+        """Asks whoever serves the cluster (e.g. `shoal serve`) to tear it down.
+
+        Returns:
+            The new epoch (long-pollers wake with `Membership.stopping` set).
+        """
+        self._state.stopping = True
+        return self._bump()
+
+    async def acquire_scale_lock(self, owner: str) -> int | None:
+        """Takes the cluster's scale lock (re-entrant for the same owner).
+
+        Returns:
+            The new epoch, or None if another owner holds the lock.
+        """
+        if self._state.scale_lock_owner not in (None, owner):
+            return None
+        self._state.scale_lock_owner = owner
+        return self._bump()
+
+    async def release_scale_lock(self, owner: str) -> bool:
+        """Releases the scale lock. Returns False if `owner` did not hold it."""
+        if self._state.scale_lock_owner != owner:
+            return False
+        self._state.scale_lock_owner = None
+        return True
+
+    async def status(self) -> dict[str, Any]:
+        """A plain, JSON-ready summary for `shoal status`."""
+        s = self._state
+        return {
+            "namespace": self.namespace,
+            "epoch": s.epoch,
+            "model": s.config.model.model,
+            "data_parallel_size": s.config.parallel.data_parallel_size,
+            "detached": self.detached,
+            "served_by": s.served_by,
+            "stopping": s.stopping,
+            "scale_lock_owner": s.scale_lock_owner,
+            "stats_publish_address": s.stats_publish_address,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "state": r.state.value,
+                    "incarnation": r.incarnation,
+                    "node_ip": r.node_ip,
+                    "address": r.endpoint.input_address if r.endpoint else None,
+                    "actor_name": r.actor_name,
+                }
+                for r in sorted(s.ranks.values(), key=lambda r: r.rank)
+            ],
+            "clients": [
+                {
+                    "client_index": c.client_index,
+                    "name": c.name,
+                    "attached_at": c.attached_at,
+                    "last_seen": c.last_seen,
+                }
+                for c in await self.clients()
+            ],
+        }
+
+    async def ping(self) -> bool:
+        return True
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _set_rank(self, info: RankInfo) -> None:
+        self._state.ranks[info.rank] = replace(info, changed_at=time.time())
+
+    def _bump(self) -> int:
+        self._state.epoch += 1
+        # Wake every waiter of this change, then arm a fresh event for the next one.
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return self._state.epoch
+
+    def _touch_client(self, client_index: int) -> bool:
+        info = self._state.clients.get(client_index)
+        if info is None:
+            return False
+        self._state.clients[client_index] = replace(info, last_seen=time.time())
+        return True
+
+    def _prune_clients(self) -> None:
+        cutoff = time.time() - self.client_timeout_s
+        for index in [i for i, c in self._state.clients.items() if c.last_seen < cutoff]:
+            logger.info(
+                "client %d (%s) went silent; pruned", index, self._state.clients[index].name
+            )
+            del self._state.clients[index]
+
+    def _watch(self, rank: int, actor_name: str, identity: bytes) -> None:
+        previous = self._watchers.pop(rank, None)
+        if previous is not None:
+            previous.cancel()
+        self._watchers[rank] = asyncio.get_running_loop().create_task(
+            self._watch_engine(rank, actor_name, identity)
+        )
+
+    async def _watch_engine(self, rank: int, actor_name: str, identity: bytes) -> None:
+        """Marks the rank DEAD when the incarnation registered as `identity` dies.
+
+        The engine registers from inside its constructor, so Ray may still call the actor
+        restarting (calls fail with ActorUnavailableError) until the constructor returns:
+        first wait for `ready()` to answer with this identity, then keep one call pending.
+        """
+        try:
+            actor: Any = ray.get_actor(actor_name, namespace=self.namespace)
+        except ValueError:
+            logger.warning("rank %d: no actor %r to watch; liveness unknown", rank, actor_name)
+            return
+        try:
+            while True:
+                try:
+                    endpoint: EngineEndpoint = await actor.ready.remote()
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if not self._is_current(rank, identity):
+                        return  # a newer incarnation has registered and is watched
+                    await asyncio.sleep(_UNAVAILABLE_RETRY_S)
+            if endpoint.identity != identity:
+                return
+            await getattr(actor, ENGINE_WATCH_METHOD).remote()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # RayActorError and kin: this incarnation is gone
+            logger.warning("rank %d: engine actor died (%s)", rank, type(e).__name__)
+            await self.report_engine_dead(rank, identity)
+
+    def _is_current(self, rank: int, identity: bytes) -> bool:
+        info = self._state.ranks.get(rank)
+        return info is not None and info.endpoint is not None and info.endpoint.identity == identity

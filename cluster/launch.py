@@ -1,0 +1,341 @@
+"""The whole actor topology of a shoal cluster on one screen: launch, attach, shut down.
+
+    namespace "<ns>"
+    ├── RegistryActor      "shoal-registry"      config, membership + epochs, clients, liveness
+    ├── CoordinatorActor   "shoal-coordinator"   engines PUSH stats → XPUB to clients
+    └── EngineCoreActor    "shoal-engine-<r>"    one per rank, in placement group
+                                                 "shoal-<ns>-rank-<r>"
+
+Readiness handshake: the registry and coordinator start first; the coordinator's addresses
+go into the registry; each rank's placement group is reserved; each engine actor reads the
+addresses from the registry, binds its ZMQ input, starts its busy loop and registers its
+endpoint itself (the registry then watches it); `launch` returns once every rank's `ready()`
+has answered. A rank restarted by Ray repeats the same steps under a new identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+from actors.engine_actor import (
+    ENGINE_ACTOR_MAX_CONCURRENCY,
+    ENGINE_ACTOR_PREFIX,
+    EngineCoreActor,
+    engine_actor_name,
+)
+from actors.registry import REGISTRY_NAME, Membership, RegistryActor
+from cluster.placement import (
+    PlacementStrategy,
+    RankResources,
+    create_rank_placement_group,
+    placement_group_name,
+    plan_nodes,
+    remove_cluster_placement_groups,
+)
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Ray's ActorHandle typing cannot express remote methods, so handles are typed Any.
+ActorHandle = Any
+
+DEFAULT_NAMESPACE = "shoal"
+ENGINE_MAX_RESTARTS = 4
+READY_TIMEOUT_S = 600.0
+# How long a killed actor may take to disappear from Ray's name table.
+_ACTOR_EXIT_TIMEOUT_S = 15.0
+
+
+class ClusterExistsError(RuntimeError):
+    """A shoal cluster already runs in this namespace."""
+
+
+class ClusterNotFoundError(RuntimeError):
+    """No shoal cluster runs in this namespace."""
+
+
+@dataclass
+class ClusterHandle:
+    """A launched or attached cluster: its namespace and the actors in it."""
+
+    namespace: str
+    registry: ActorHandle
+    coordinator: ActorHandle
+    engines: dict[int, ActorHandle] = field(default_factory=dict)
+
+    def membership(self) -> Membership:
+        return ray.get(self.registry.membership.remote())
+
+    def status(self) -> dict[str, Any]:
+        """The registry's summary, each rank with its latest `load` from the coordinator."""
+        status: dict[str, Any] = ray.get(self.registry.status.remote())
+        loads = ray.get(self.coordinator.latest_stats.remote())
+        for rank in status["ranks"]:
+            rank["load"] = loads.get(rank["rank"])
+        return status
+
+    def wait_until_stop_requested(
+        self, poll_s: float = 1.0, should_stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Blocks until someone calls `request_stop` (e.g. `shoal stop`) or the registry dies.
+
+        Args:
+            poll_s: long-poll timeout; also how often `should_stop` is consulted.
+            should_stop: optional callable; returning True ends the wait (e.g. on a signal).
+        """
+        epoch = -1
+        while should_stop is None or not should_stop():
+            try:
+                membership = ray.get(self.registry.wait_for_change.remote(epoch, poll_s))
+            except ray.exceptions.RayActorError:
+                logger.warning("the registry of namespace %r is gone", self.namespace)
+                return
+            if membership.stopping:
+                return
+            epoch = membership.epoch
+
+    def engine(self, rank: int) -> ActorHandle:
+        """The engine actor of `rank`, looked up by name when this handle has not seen it."""
+        if rank not in self.engines:
+            self.engines[rank] = ray.get_actor(engine_actor_name(rank), namespace=self.namespace)
+        return self.engines[rank]
+
+    def shutdown(self) -> None:
+        """Stops every engine, then removes all actors and placement groups of the cluster.
+
+        Safe to call on a partly launched or partly dead cluster, and from any driver.
+        """
+        ranks = set(self.engines) | set(_named_engine_ranks(self.namespace))
+        # When the registry is gone already, the named actors are still found.
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            ranks |= set(self.membership().ranks)
+        remove_ranks(self, sorted(ranks))
+        _wait_quietly([self.coordinator.shutdown.remote()], timeout=10)
+        for actor in (self.coordinator, self.registry):
+            _kill_quietly(actor)
+        remove_cluster_placement_groups(self.namespace)
+        _wait_for_names_gone(
+            self.namespace,
+            [REGISTRY_NAME, COORDINATOR_NAME] + [engine_actor_name(r) for r in sorted(ranks)],
+        )
+
+
+def launch(
+    config: EngineConfig,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    resources: RankResources | None = None,
+    placement_strategy: PlacementStrategy = "pack",
+    host: str | None = None,
+    detached: bool = False,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> ClusterHandle:
+    """Starts a named cluster of `config.parallel.data_parallel_size` engine ranks.
+
+    Args:
+        config: the engine configuration shared by all ranks.
+        namespace: Ray namespace the cluster's named actors live in.
+        resources: per-rank reservation; default one GPU per rank when the cluster has GPUs,
+            else one CPU.
+        placement_strategy: "pack" ranks onto few nodes or "spread" them.
+        host: address engines and the coordinator bind to; default each node's IP.
+        detached: keep the cluster after this driver exits (stop it with `shoal stop`).
+        ready_timeout_s: how long placement and engine start-up may take.
+
+    Returns:
+        A handle on the running cluster; every rank is READY in the registry.
+
+    Raises:
+        ClusterExistsError: if the namespace already has a cluster.
+        ray.exceptions.RayActorError: if an engine fails to start (nothing is left behind).
+        ray.exceptions.GetTimeoutError: if placement or start-up exceed `ready_timeout_s`.
+    """
+    _require_ray(namespace)
+    if _get_actor(REGISTRY_NAME, namespace) is not None:
+        raise ClusterExistsError(f"a shoal cluster already runs in namespace {namespace!r}")
+    resources = resources or _default_resources()
+    lifetime = "detached" if detached else None
+    registry: ActorHandle = (
+        ray.remote(RegistryActor)
+        .options(name=REGISTRY_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
+        .remote(namespace, config, detached)
+    )
+    coordinator: ActorHandle = (
+        ray.remote(CoordinatorActor)
+        .options(name=COORDINATOR_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
+        .remote(host or "")
+    )
+    handle = ClusterHandle(namespace, registry, coordinator)
+    try:
+        report_address, publish_address = ray.get(
+            coordinator.addresses.remote(), timeout=ready_timeout_s
+        )
+        ray.get(registry.set_coordinator.remote(report_address, publish_address))
+        ranks = range(config.parallel.data_parallel_size)
+        add_ranks(
+            handle,
+            config,
+            ranks,
+            resources,
+            placement_strategy,
+            host=host,
+            detached=detached,
+            ready_timeout_s=ready_timeout_s,
+        )
+    except BaseException:
+        logger.exception("launch of namespace %r failed; tearing down", namespace)
+        handle.shutdown()
+        raise
+    return handle
+
+
+def add_ranks(
+    handle: ClusterHandle,
+    config: EngineConfig,
+    ranks: Iterable[int],
+    resources: RankResources,
+    placement_strategy: PlacementStrategy = "pack",
+    *,
+    host: str | None = None,
+    detached: bool = False,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> None:
+    """Reserves placement groups and starts engine actors for `ranks`; returns when all serve.
+
+    Raises:
+        ray.exceptions.RayActorError: if an engine fails to start.
+        ray.exceptions.GetTimeoutError: if placement or start-up exceed `ready_timeout_s`.
+    """
+    ranks = list(ranks)
+    targets = plan_nodes(len(ranks), resources, placement_strategy)
+    groups = {
+        rank: create_rank_placement_group(
+            handle.namespace, rank, resources, target_node_id=target, detached=detached
+        )
+        for rank, target in zip(ranks, targets, strict=True)
+    }
+    start = time.monotonic()
+    ray.get([g.ready() for g in groups.values()], timeout=ready_timeout_s)
+    for rank, group in groups.items():
+        ray.get(
+            handle.registry.plan_rank.remote(
+                rank, engine_actor_name(rank), placement_group_name(handle.namespace, rank)
+            )
+        )
+        handle.engines[rank] = (
+            ray.remote(EngineCoreActor)
+            .options(
+                name=engine_actor_name(rank),
+                namespace=handle.namespace,
+                lifetime="detached" if detached else None,
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                max_restarts=ENGINE_MAX_RESTARTS,
+                max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+            )
+            .remote(config, rank, handle.namespace, host)
+        )
+    remaining_s = max(1.0, ready_timeout_s - (time.monotonic() - start))
+    ray.get([handle.engines[r].ready.remote() for r in ranks], timeout=remaining_s)
+    logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
+
+
+def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
+    """Stops the engines of `ranks`, kills their actors, frees their placement groups, and
+    forgets them in the registry and coordinator. Ranks already gone are skipped."""
+    ranks = list(ranks)
+    engines = {r: e for r in ranks if (e := _engine_or_none(handle, r)) is not None}
+    _wait_quietly([e.shutdown.remote() for e in engines.values()], timeout=30)
+    for rank, engine in engines.items():
+        _kill_quietly(engine)
+        handle.engines.pop(rank, None)
+    remove_cluster_placement_groups(handle.namespace, ranks)
+    for rank in ranks:
+        _wait_quietly([handle.registry.remove_rank.remote(rank)], timeout=10)
+        _wait_quietly([handle.coordinator.forget_rank.remote(rank)], timeout=10)
+
+
+def attach(namespace: str = DEFAULT_NAMESPACE) -> ClusterHandle:
+    """Finds a running cluster by namespace (connecting to Ray at "auto" if needed).
+
+    Raises:
+        ClusterNotFoundError: if there is none.
+    """
+    _require_ray(namespace)
+    registry = _get_actor(REGISTRY_NAME, namespace)
+    coordinator = _get_actor(COORDINATOR_NAME, namespace)
+    if registry is None or coordinator is None:
+        raise ClusterNotFoundError(f"no shoal cluster runs in namespace {namespace!r}")
+    return ClusterHandle(namespace, registry, coordinator)
+
+
+def _require_ray(namespace: str) -> None:
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace=namespace, log_to_driver=False)
+
+
+def _default_resources() -> RankResources:
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    return RankResources(num_cpus=1, num_gpus=1 if has_gpus else 0)
+
+
+def _get_actor(name: str, namespace: str) -> ActorHandle | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _engine_or_none(handle: ClusterHandle, rank: int) -> ActorHandle | None:
+    try:
+        return handle.engine(rank)
+    except ValueError:
+        return None
+
+
+def _named_engine_ranks(namespace: str) -> list[int]:
+    pattern = re.compile(rf"{re.escape(ENGINE_ACTOR_PREFIX)}(\d+)")
+    ranks = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if not isinstance(entry, dict) or entry.get("namespace") != namespace:
+            continue
+        match = pattern.fullmatch(entry.get("name", ""))
+        if match is not None:
+            ranks.append(int(match.group(1)))
+    return ranks
+
+
+def _kill_quietly(actor: ActorHandle) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # already gone
+        logger.debug("kill: %s", e)
+
+
+def _wait_quietly(refs: list[ray.ObjectRef], timeout: float) -> None:
+    """Waits for every call to finish or fail (a dead engine cannot shut down; it is killed
+    next anyway)."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+
+def _wait_for_names_gone(namespace: str, names: list[str]) -> None:
+    deadline = time.monotonic() + _ACTOR_EXIT_TIMEOUT_S
+    pending = list(names)
+    while pending and time.monotonic() < deadline:
+        pending = [n for n in pending if _get_actor(n, namespace) is not None]
+        if pending:
+            time.sleep(0.1)
+    if pending:
+        logger.warning("actors still registered after shutdown: %s", pending)

@@ -1,0 +1,9 @@
+"""`python -m deploy ARGS`: the `shoal` command without the console script."""
+
+from __future__ import annotations
+
+import sys
+
+from deploy.cli import main
+
+sys.exit(main())

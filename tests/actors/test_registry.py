@@ -1,0 +1,194 @@
+"""RegistryActor in a real local Ray: membership, epochs, long-poll, clients, lock, liveness."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from actors.registry import ENGINE_WATCH_METHOD, RankState, RegistryActor
+from engine.config import EngineConfig
+from engine.protocol import EngineEndpoint
+from tests.ray_utils import unique_namespace
+
+CONFIG = EngineConfig.from_kwargs("/models/none", data_parallel_size=2)
+
+
+@pytest.fixture
+def namespace(ray_local: str) -> str:
+    return unique_namespace("registry")
+
+
+@pytest.fixture
+def registry(namespace: str) -> Iterator[Any]:
+    actor: Any = (
+        ray.remote(RegistryActor)
+        .options(name="shoal-registry", namespace=namespace, num_cpus=0)
+        .remote(namespace, CONFIG, client_timeout_s=1.0)
+    )
+    yield actor
+    ray.kill(actor)
+
+
+def _endpoint(rank: int, identity: bytes) -> EngineEndpoint:
+    return EngineEndpoint(rank, identity, f"tcp://127.0.0.1:{5000 + rank}")
+
+
+def test_plan_register_dead_leave_remove_bump_epochs(registry: Any) -> None:
+    e0 = ray.get(registry.plan_rank.remote(0, "engine-0", "pg-0"))
+    e1 = ray.get(registry.plan_rank.remote(1, "engine-1", "pg-1"))
+    assert e1 == e0 + 1
+    m = ray.get(registry.membership.remote())
+    assert [m.ranks[r].state for r in (0, 1)] == [RankState.STARTING, RankState.STARTING]
+    assert m.routable_endpoints() == []
+
+    assert ray.get(registry.register_engine.remote(_endpoint(1, b"1:a"), "10.0.0.1")) == 1
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:a"), "10.0.0.1")) == 1
+    m = ray.get(registry.membership.remote())
+    assert m.epoch == e1 + 2
+    assert m.ranks[0].state == RankState.READY and m.ranks[0].node_ip == "10.0.0.1"
+    assert [e.identity for e in m.routable_endpoints()] == [b"0:a", b"1:a"]
+
+    # A report about an identity the rank no longer has is ignored; the current one counts.
+    assert not ray.get(registry.report_engine_dead.remote(0, b"0:old"))
+    assert ray.get(registry.report_engine_dead.remote(0, b"0:a"))
+    assert not ray.get(registry.report_engine_dead.remote(0, b"0:a"))  # already dead
+    m = ray.get(registry.membership.remote())
+    assert m.ranks[0].state == RankState.DEAD
+    assert [e.identity for e in m.routable_endpoints()] == [b"1:a"]
+
+    # The restarted actor registers again: new identity, next incarnation, READY.
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:b"), "10.0.0.2")) == 2
+    m = ray.get(registry.membership.remote())
+    assert m.ranks[0].state == RankState.READY and m.ranks[0].incarnation == 2
+    assert m.ranks[0].endpoint == _endpoint(0, b"0:b")
+
+    epoch = ray.get(registry.set_rank_leaving.remote(1))
+    m = ray.get(registry.membership.remote())
+    assert m.epoch == epoch and m.ranks[1].state == RankState.LEAVING
+    assert [e.identity for e in m.routable_endpoints()] == [b"0:b"]
+    assert ray.get(registry.remove_rank.remote(1)) == epoch + 1
+    assert sorted(ray.get(registry.membership.remote()).ranks) == [0]
+
+
+def test_register_unplanned_rank_is_refused(registry: Any) -> None:
+    with pytest.raises(KeyError, match="rank 7 is not planned"):
+        ray.get(registry.register_engine.remote(_endpoint(7, b"7:a"), "10.0.0.1"))
+
+
+def test_wait_for_change_returns_on_change_and_on_timeout(registry: Any) -> None:
+    epoch = ray.get(registry.membership.remote()).epoch
+
+    start = time.monotonic()
+    m = ray.get(registry.wait_for_change.remote(epoch, 0.5))
+    assert m.epoch == epoch
+    assert 0.45 <= time.monotonic() - start < 3.0
+
+    # A caller behind the current epoch is answered at once.
+    start = time.monotonic()
+    assert ray.get(registry.wait_for_change.remote(epoch - 1, 30.0)).epoch == epoch
+    assert time.monotonic() - start < 2.0
+
+    start = time.monotonic()
+    pending = registry.wait_for_change.remote(epoch, 30.0)
+    time.sleep(0.5)
+    ray.get(registry.plan_rank.remote(0, "engine-0", "pg-0"))
+    m = ray.get(pending, timeout=10)
+    assert m.epoch == epoch + 1 and 0 in m.ranks
+    assert time.monotonic() - start < 5.0
+
+
+def test_request_stop_wakes_long_pollers(registry: Any) -> None:
+    epoch = ray.get(registry.membership.remote()).epoch
+    pollers = [registry.wait_for_change.remote(epoch, 30.0) for _ in range(3)]
+    time.sleep(0.3)
+    ray.get(registry.request_stop.remote())
+    for membership in ray.get(pollers, timeout=10):
+        assert membership.stopping
+    assert ray.get(registry.status.remote())["stopping"]
+
+
+def test_client_indices_are_allocated_freed_and_pruned(registry: Any) -> None:
+    assert [ray.get(registry.attach_client.remote(f"c{i}")) for i in range(3)] == [0, 1, 2]
+    ray.get(registry.detach_client.remote(1))
+    assert [c.name for c in ray.get(registry.clients.remote())] == ["c0", "c2"]
+    assert ray.get(registry.attach_client.remote("c3")) == 1  # lowest free index
+    assert not ray.get(registry.heartbeat_client.remote(9))
+
+    # Only client 2 keeps polling; the others fall silent past the 1 s timeout.
+    deadline = time.monotonic() + 1.6
+    while time.monotonic() < deadline:
+        ray.get(registry.wait_for_change.remote(-1, 0.0, client_index=2))
+        time.sleep(0.2)
+    assert [(c.client_index, c.name) for c in ray.get(registry.clients.remote())] == [(2, "c2")]
+    assert not ray.get(registry.heartbeat_client.remote(0))
+    assert ray.get(registry.attach_client.remote("c4")) == 0
+    status = ray.get(registry.status.remote())
+    assert [c["client_index"] for c in status["clients"]] == [0, 2]
+
+
+def test_scale_lock_has_one_owner_at_a_time(registry: Any) -> None:
+    epoch = ray.get(registry.membership.remote()).epoch
+    assert ray.get(registry.acquire_scale_lock.remote("a")) == epoch + 1
+    assert ray.get(registry.acquire_scale_lock.remote("b")) is None
+    assert ray.get(registry.acquire_scale_lock.remote("a")) == epoch + 2  # re-entrant
+    assert not ray.get(registry.release_scale_lock.remote("b"))
+    assert ray.get(registry.status.remote())["scale_lock_owner"] == "a"
+    assert ray.get(registry.release_scale_lock.remote("a"))
+    assert ray.get(registry.acquire_scale_lock.remote("b")) is not None
+
+
+class _WatchedActor:
+    """Offers the liveness method the registry calls on every registered engine."""
+
+    def __init__(self, rank: int) -> None:
+        self._exited = threading.Event()
+        self.rank = rank
+
+    def ready(self) -> EngineEndpoint:
+        return _endpoint(self.rank, b"id")
+
+    def exit_cleanly(self) -> None:
+        self._exited.set()
+
+    def wait_for_exit(self) -> None:
+        self._exited.wait()
+
+
+assert hasattr(_WatchedActor, ENGINE_WATCH_METHOD)
+
+
+def _wait_for_state(registry: Any, rank: int, state: RankState) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if ray.get(registry.membership.remote()).ranks[rank].state == state:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} never became {state}")
+
+
+def test_a_dead_engine_actor_turns_its_rank_dead(registry: Any, namespace: str) -> None:
+    actors: list[Any] = [
+        ray.remote(_WatchedActor)
+        .options(name=f"watched-{r}", namespace=namespace, max_concurrency=4, num_cpus=0)
+        .remote(r)
+        for r in (0, 1)
+    ]
+    for rank in (0, 1):
+        ray.get(registry.plan_rank.remote(rank, f"watched-{rank}", f"pg-{rank}"))
+        ray.get(registry.register_engine.remote(_endpoint(rank, b"id"), "10.0.0.1"))
+    epoch = ray.get(registry.membership.remote()).epoch
+
+    ray.kill(actors[0])
+    _wait_for_state(registry, 0, RankState.DEAD)
+    assert ray.get(registry.membership.remote()).epoch == epoch + 1
+
+    # A clean exit (shutdown) is not a death.
+    ray.get(actors[1].exit_cleanly.remote())
+    time.sleep(1.0)
+    assert ray.get(registry.membership.remote()).ranks[1].state == RankState.READY
+    ray.kill(actors[1])

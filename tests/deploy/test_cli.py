@@ -1,0 +1,137 @@
+"""The `shoal` CLI: flag parsing, and serve --detached / status / stop on a real local Ray."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from cluster.placement import live_placement_group_names
+from deploy import cli, serve
+from engine.config import EngineConfig, engine_kwargs_from_cli
+from tests.factories import make_tiny_checkpoint
+from tests.ray_utils import REPO_ROOT, free_port, ray_env, ray_local, unique_namespace
+
+__all__ = ["ray_local"]
+
+TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
+
+
+@pytest.fixture
+def restore_signals() -> Iterator[None]:
+    """`shoal serve` installs SIGTERM/SIGINT handlers; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_serve_flags_map_onto_the_engine_config() -> None:
+    argv = [
+        "--model", "/models/tiny", "--data-parallel-size", "2", "--dtype", "float32",
+        "--max-model-len", "128", "--no-enable-prefix-caching", "--namespace", "prod",
+        "--num-gpus-per-rank", "2", "--placement-strategy", "spread",
+    ]  # fmt: skip
+    args = cli.build_parser().parse_args(["serve", *argv])
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_cli(args))
+    assert config.model.model == "/models/tiny"
+    assert config.model.dtype == "float32" and config.model.max_model_len == 128
+    assert config.parallel.data_parallel_size == 2
+    assert not config.cache.enable_prefix_caching
+    assert (args.namespace, args.address, args.num_gpus_per_rank) == ("prod", "auto", 2.0)
+    assert args.placement_strategy == "spread" and not args.detached
+
+    # `python -m deploy.serve ARGS` parses exactly like `shoal serve ARGS`.
+    parser = argparse.ArgumentParser()
+    serve.add_serve_args(parser)
+    assert vars(parser.parse_args(argv)) == {k: v for k, v in vars(args).items() if k != "command"}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--data-parallel-size", "2"])  # no --model
+
+
+def test_demo_is_reserved_but_not_available(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_status_and_stop_without_ray_fail_fast_and_clearly() -> None:
+    for command in ("status", "stop"):
+        result = subprocess.run(
+            [sys.executable, "-m", "deploy", command, "--address", f"127.0.0.1:{free_port()}"],
+            capture_output=True,
+            text=True,
+            env=ray_env(),
+            cwd=REPO_ROOT,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert f"shoal {command}: no Ray cluster at" in result.stderr
+
+
+def test_format_status_shows_ranks_load_and_clients() -> None:
+    status = {
+        "namespace": "prod", "model": "/m", "epoch": 4, "served_by": "host:1",
+        "detached": False, "stopping": False,
+        "ranks": [
+            {"rank": 0, "state": "ready", "incarnation": 2, "address": "tcp://h:1",
+             "load": {"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_cache_usage": 0.25,
+                      "step_counter": 40}},
+            {"rank": 1, "state": "dead", "incarnation": 1, "address": None, "load": None},
+        ],
+        "clients": [{"client_index": 0, "name": "api-server", "attached_at": 0.0}],
+    }  # fmt: skip
+    lines = cli.format_status(status).splitlines()
+    assert lines[0] == "namespace prod  model /m  epoch 4"
+    assert "host:1" in lines[1]
+    assert lines[4].split() == ["0", "ready", "2", "3", "1", "25.0%", "40", "tcp://h:1"]
+    assert lines[5].split() == ["1", "dead", "1", "-", "-", "-", "-", "-"]
+    assert "clients: 1" in lines and "api-server" in lines[-1]
+
+
+@pytest.mark.slow
+def test_detached_serve_then_status_then_stop(
+    ray_local: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    restore_signals: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+    namespace = unique_namespace("cli")
+    serve_argv = [
+        "serve", "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
+        "--host", "127.0.0.1", "--detached", *TINY_ENGINE_FLAGS,
+    ]  # fmt: skip
+    assert cli.main(serve_argv) == 0
+    capsys.readouterr()
+
+    assert cli.main(["status", "--namespace", namespace, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["state"]) for r in status["ranks"]] == [(0, "ready"), (1, "ready")]
+    assert status["detached"] and status["served_by"] is None and status["clients"] == []
+
+    registry = ray.get_actor("shoal-registry", namespace=namespace)
+    ray.get(registry.attach_client.remote("notebook"))
+    assert cli.main(["status", "--namespace", namespace]) == 0
+    text = capsys.readouterr().out
+    assert "clients: 1" in text and "notebook" in text and "tcp://127.0.0.1:" in text
+
+    # A second serve into the same namespace is refused, and leaves the first alone.
+    assert cli.main(serve_argv) == 1
+
+    # Nobody serves a detached cluster: stop tears it down itself.
+    assert cli.main(["stop", "--namespace", namespace]) == 0
+    assert f"stopped the shoal cluster in namespace {namespace}" in capsys.readouterr().out
+    names = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace
+    ]
+    assert names == []
+    assert live_placement_group_names(namespace) == []
+
+    assert cli.main(["stop", "--namespace", namespace]) == 1
+    assert "no shoal cluster runs in namespace" in capsys.readouterr().err

@@ -1,0 +1,203 @@
+"""Real Ray for tests: an in-process local instance, and a `ray start --head` node on 127.0.0.1.
+
+The head node runs in its own process group with its own temp dir and free ports, and is torn
+down by killing exactly the processes it started (its group and their children), never with a
+machine-wide `ray stop`, which would also end every other Ray instance on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+RAY_BIN = str(Path(sys.executable).with_name("ray"))
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def unique_namespace(prefix: str = "test") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 4, namespace: str | None = None) -> Iterator[str]:
+    """An in-process local Ray (no dashboard); yields its namespace and shuts it down after."""
+    if ray.is_initialized():
+        ray.shutdown()
+    namespace = namespace or unique_namespace()
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=namespace,
+        log_to_driver=False,
+    )
+    try:
+        yield namespace
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[str]:
+    """Module-scoped local Ray; yields the namespace the driver was started in."""
+    with local_ray() as namespace:
+        yield namespace
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ray_env() -> dict[str, str]:
+    """Environment for Ray CLI subprocesses: no auth, no usage stats, the repo importable."""
+    env = dict(os.environ)
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@dataclass
+class RayHead:
+    """A running `ray start --head` node."""
+
+    gcs_address: str  # "127.0.0.1:PORT", for ray.init(address=...) and `--address`
+    dashboard_url: str  # "http://127.0.0.1:PORT", for `ray job` and the state API
+    temp_dir: str
+    process_group: int
+
+
+def start_ray_head(num_cpus: int = 4, timeout_s: float = 60.0) -> RayHead:
+    """Runs `ray start --head` on 127.0.0.1 with free ports; returns when the head is up.
+
+    Raises:
+        RuntimeError: if the head does not start.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="sray-", dir="/tmp")  # short: socket paths are limited
+    port, dashboard_port = free_port(), free_port()
+    cmd = [
+        RAY_BIN, "start", "--head", "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - lives as long as the head
+    # `--block` keeps `ray start` as the parent of the group; a new session makes the group ours.
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(), start_new_session=True
+    )
+    head = RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir, proc.pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        if _is_job_api_up(head.dashboard_url):
+            return head
+        time.sleep(0.5)
+    stop_ray_head(head)
+    output = (Path(temp_dir) / "ray-start.log").read_text(errors="replace")
+    raise RuntimeError(f"ray start --head did not come up:\n{output[-4000:]}")
+
+
+def start_ray_worker(head: RayHead, num_cpus: int) -> int:
+    """Adds a second node to `head`'s cluster on this machine; returns its process group id.
+
+    Stop it with `stop_process_group`.
+    """
+    cmd = [
+        RAY_BIN, "start", "--block", f"--address={head.gcs_address}",
+        "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        f"--dashboard-agent-listen-port={free_port()}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ray_env(),
+        start_new_session=True,
+    )
+    return proc.pid
+
+
+def stop_ray_head(head: RayHead) -> None:
+    """Kills every process the head started (its group and their descendants); removes its
+    temp dir."""
+    stop_process_group(head.process_group)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def stop_process_group(pgid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL, to a process group and every descendant of its members.
+
+    Descendants matter: Ray workers and job drivers run in sessions of their own.
+    """
+    procs = _group_with_descendants(pgid)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    # Processes started meanwhile (a worker being spawned) are caught on this second pass.
+    alive = list({p.pid: p for p in alive + _group_with_descendants(pgid)}.values())
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def _group_with_descendants(pgid: int) -> list[psutil.Process]:
+    members: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.pid) == pgid:
+                members[p.pid] = p
+    for p in list(members.values()):
+        with contextlib.suppress(psutil.Error):
+            for child in p.children(recursive=True):
+                members[child.pid] = child
+    return [p for pid, p in members.items() if pid != os.getpid()]
+
+
+def _is_job_api_up(dashboard_url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{dashboard_url}/api/version", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    """A module-scoped `ray start --head` node on 127.0.0.1 with 4 CPUs."""
+    if ray.is_initialized():
+        ray.shutdown()
+    head = start_ray_head()
+    try:
+        yield head
+    finally:
+        stop_ray_head(head)
