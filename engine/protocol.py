@@ -101,7 +101,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}"
+            )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop):
@@ -227,3 +229,30 @@ class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     data_parallel_size: int = 1
     protocol_version: int = PROTOCOL_VERSION
+
+
+class EngineEndpoint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where a client reaches one engine: its bound input address and ROUTER identity."""
+
+    engine_index: int
+    identity: bytes
+    input_address: str
+
+
+class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What an engine pushes to its stats address: its load, when it changes (and each second)."""
+
+    engine_index: int
+    stats: SchedulerStats
+    timestamp: float = 0.0
+
+
+class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the DP coordinator publishes: the latest report of every rank it knows.
+
+    `seq` increases with every publish; a heartbeat repeats unchanged reports with a new seq.
+    """
+
+    seq: int
+    reports: list[EngineStatsReport] = msgspec.field(default_factory=list)
+    current_wave: int = 0

@@ -1,0 +1,316 @@
+"""`AsyncMPClient`: the engine-core client for an asyncio event loop (AsyncLLM, servers).
+
+The output socket is read by one persistent task (`process_outputs_socket`) instead of a
+thread; it routes utility replies to futures, EEP notifications to a new task, and outputs
+through the optional `process_engine_outputs` hook into an `asyncio.Queue`. Subclasses (DP,
+load balancing) hook in by defining those methods; this class knows nothing of ranks' load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from collections.abc import Awaitable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any, cast
+
+import zmq
+import zmq.asyncio
+
+from client.mp_client import (
+    EngineAttachError,
+    EngineIdentity,
+    EngineUtilityError,
+    MPClient,
+    as_engine_error,
+    fail_utility_calls,
+    format_exception,
+    process_utility_output,
+    send_hello,
+)
+from engine.errors import EngineDeadError
+from engine.protocol import (
+    EEP_NOTIFICATION_CALL_ID,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineEndpoint,
+    EngineFacts,
+)
+
+
+class AsyncMPClient(MPClient):
+    """Asyncio client: zmq.asyncio sockets and one output task on the running loop.
+
+    The output task starts in `__init__` when a loop is running, else on the first
+    `add_request_async` / `call_utility_async` / `get_output_async`. Until it starts nothing
+    reads the output socket: a death notice waits there and surfaces when the task starts.
+
+    Args:
+        endpoints, **kwargs: as for `MPClient`.
+    """
+
+    def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
+        super().__init__(endpoints, asyncio_mode=True, **kwargs)
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # no loop yet: the task starts lazily on first use
+        else:
+            self._ensure_output_queue_task()
+
+    def _ensure_output_queue_task(self) -> None:
+        """Starts the output task once (idempotent); it holds the client only weakly."""
+        resources = self.resources
+        if resources.output_queue_task is not None:
+            return
+        # Locals, not attributes of self: the task must not keep the client alive.
+        decoder = self.decoder
+        utility_results = self.utility_results
+        utility_engines = self.utility_engines
+        outputs_queue = self.outputs_queue
+        output_socket = cast(zmq.asyncio.Socket, self.output_socket)
+        output_handler = getattr(self.__class__, "process_engine_outputs", None)
+        notification_callback_handler = getattr(
+            self.__class__, "eep_process_engine_core_notification", None
+        )
+        _self_ref = weakref.ref(self)
+
+        # A sync view of the same socket: reads what is already queued without a future each.
+        drain_socket: zmq.Socket = zmq.Socket.shadow(output_socket.underlying)
+
+        async def process_outputs_socket() -> None:
+            try:
+                while True:
+                    try:
+                        frames = drain_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        # Already there, so no await would yield: yield anyway, so that the
+                        # consumers keep up. A backlog starves them, and outputs that live
+                        # through GC passes get promoted, making every full collection slower
+                        # (that costs more than this yield).
+                        await asyncio.sleep(0)
+                    except zmq.Again:
+                        frames = await output_socket.recv_multipart(copy=False)
+                    try:
+                        if not resources.validate_alive(frames):
+                            continue
+                    except EngineDeadError as dead:
+                        fail_utility_calls(
+                            utility_results, utility_engines, dead.engine_index, dead
+                        )
+                        outputs_queue.put_nowait(dead)
+                        if dead.engine_index is None or resources.all_engines_dead():
+                            return
+                        continue
+                    outputs: EngineCoreOutputs = decoder.decode(frames)
+                    if outputs.utility_output:
+                        if (
+                            outputs.utility_output.call_id == EEP_NOTIFICATION_CALL_ID
+                            and notification_callback_handler is not None
+                        ):
+                            _self = _self_ref()
+                            if not _self:
+                                return
+                            if outputs.utility_output.result is None:
+                                continue
+                            notification_data = outputs.utility_output.result.result
+                            assert isinstance(notification_data, Sequence)
+                            assert len(notification_data) == 2
+                            task = asyncio.create_task(
+                                notification_callback_handler(_self, notification_data)
+                            )
+                            resources.notification_tasks.add(task)
+                            task.add_done_callback(resources.notification_tasks.discard)
+                        else:
+                            process_utility_output(outputs.utility_output, utility_results)
+                            utility_engines.pop(outputs.utility_output.call_id, None)
+                        continue
+
+                    if output_handler is not None:
+                        _self = _self_ref()
+                        if not _self:
+                            return  # the client was garbage-collected
+                        await output_handler(_self, outputs)
+
+                    if outputs.outputs or outputs.scheduler_stats:
+                        outputs_queue.put_nowait(outputs)
+            except Exception as e:
+                outputs_queue.put_nowait(e)
+                fail_utility_calls(utility_results, utility_engines, None, format_exception(e))
+            except asyncio.CancelledError:
+                outputs_queue.put_nowait(EngineDeadError())
+                fail_utility_calls(utility_results, utility_engines, None, EngineDeadError())
+
+        def on_cancelled_before_start(task: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step never runs its except clause.
+            if task.cancelled():
+                outputs_queue.put_nowait(EngineDeadError())
+                fail_utility_calls(utility_results, utility_engines, None, EngineDeadError())
+
+        task = asyncio.create_task(process_outputs_socket(), name="EngineCoreOutputQueueTask")
+        task.add_done_callback(on_cancelled_before_start)
+        resources.output_queue_task = task
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs of any attached engine.
+
+        Raises:
+            EngineDeadError: an engine died (engine_index says which; None: all of them, the
+                output task was cancelled, or it failed — the cause is attached).
+        """
+        self._ensure_output_queue_task()
+        outputs = await self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            task = self.resources.output_queue_task
+            if task is not None and task.done():
+                self.outputs_queue.put_nowait(outputs)  # terminal: every later call fails too
+            raise self._format_exception(outputs)
+        return outputs
+
+    _format_exception = staticmethod(format_exception)
+
+    def _send_input(
+        self,
+        request_type: EngineCoreRequestType,
+        request: Any,
+        engine: EngineIdentity | None = None,
+    ) -> Awaitable[Any]:
+        if engine is None:
+            engine = self.core_engine
+        message = (request_type.value, *self.encoder.encode(request))
+        return self._send_input_message(message, engine, request)
+
+    def _send_input_message(
+        self, message: tuple[Any, ...], engine: EngineIdentity, objects: Any
+    ) -> Awaitable[Any]:
+        """Sends on the input ROUTER; tensor frames go zero-copy and are kept until sent."""
+        self._check_engine(engine)
+        msg = (engine, *message)
+        input_socket = cast(zmq.asyncio.Socket, self.input_socket)
+        if len(msg) <= 3:
+            return input_socket.send_multipart(msg)
+        future = cast(
+            "asyncio.Future[zmq.MessageTracker]",
+            input_socket.send_multipart(msg, copy=False, track=True),
+        )
+        resources = self.resources
+
+        def add_pending(f: asyncio.Future[zmq.MessageTracker]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                resources.add_pending(f.result(), objects)
+
+        future.add_done_callback(add_pending)
+        return future
+
+    async def _send(self, awaitable: Awaitable[Any], engine: EngineIdentity) -> None:
+        try:
+            await awaitable
+        except zmq.ZMQError as e:
+            raise as_engine_error(e, self._check_engine(engine)) from e
+
+    async def add_request_async(
+        self, request: EngineCoreRequest, engine: EngineIdentity | None = None
+    ) -> None:
+        """Sends one request (to `engine`, default the first); outputs come from get_output_async.
+
+        Raises:
+            EngineDeadError: the engine is dead or gone.
+        """
+        request.client_index = self.client_index
+        engine = engine or self.core_engine
+        await self._send(self._send_input(EngineCoreRequestType.ADD, request, engine), engine)
+        self._ensure_output_queue_task()
+
+    async def abort_requests_async(
+        self, request_ids: list[str], engine: EngineIdentity | None = None
+    ) -> None:
+        if request_ids:
+            engine = engine or self.core_engine
+            await self._send(
+                self._send_input(EngineCoreRequestType.ABORT, request_ids, engine), engine
+            )
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Calls an allow-listed EngineCore method on the first engine and awaits its result.
+
+        Raises:
+            EngineUtilityError: the method failed or is not allowed (the message says why).
+            EngineDeadError: the engine died before answering.
+        """
+        return await self._call_utility_async(method, *args, engine=self.core_engine)
+
+    async def _call_utility_async(self, method: str, *args: Any, engine: EngineIdentity) -> Any:
+        call_id = uuid.uuid1().int >> 64
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # Registered before the send: the reply may arrive before the send call returns.
+        self.utility_results[call_id] = future
+        self.utility_engines[call_id] = self._check_engine(engine)
+        payload = self.encoder.encode((self.client_index, call_id, method, args))
+        message = (EngineCoreRequestType.UTILITY.value, *payload)
+        try:
+            await self._send(self._send_input_message(message, engine, args), engine)
+        except BaseException:
+            self.utility_results.pop(call_id, None)
+            self.utility_engines.pop(call_id, None)
+            raise
+        self._ensure_output_queue_task()
+        return await future
+
+    async def collective_rpc_async(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Runs a model-runner method on the engine; one result per worker."""
+        return await self.call_utility_async("collective_rpc", method, args)
+
+    # --- the engine set at run time -----------------------------------------------------------
+
+    def add_engine(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        """Blocking attach; only before the output task runs (then use `add_engine_async`)."""
+        if self.resources.output_queue_task is not None:
+            raise RuntimeError("the output task is running: use `await add_engine_async(...)`")
+        return super().add_engine(endpoint, process)
+
+    async def add_engine_async(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        """Attaches one more engine while serving; its HELLO answer arrives through the task.
+
+        Raises:
+            ValueError: an engine with this index is already attached.
+            EngineAttachError: the engine refused this client.
+            EngineDeadError, TimeoutError: it died or did not answer in time.
+        """
+        self._ensure_output_queue_task()
+        self._connect_engine(endpoint, process)
+        call_id, message = self._hello_message()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.utility_results[call_id] = future
+        self.utility_engines[call_id] = endpoint.engine_index
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._hello_timeout_s
+        router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
+        while True:  # connection setup, not the data path
+            try:
+                send_hello(router, endpoint.identity, message, deadline=0.0)
+                break
+            except zmq.ZMQError:
+                if loop.time() > deadline:
+                    self.remove_engine(endpoint.engine_index)
+                    raise
+                await asyncio.sleep(0.005)
+        try:
+            facts = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+        except EngineUtilityError as e:
+            self.remove_engine(endpoint.engine_index)
+            raise EngineAttachError(
+                f"engine {endpoint.engine_index} refused this client: {e}"
+            ) from None
+        except TimeoutError:
+            self.remove_engine(endpoint.engine_index)
+            raise TimeoutError(
+                f"engine {endpoint.engine_index} did not answer HELLO in time"
+            ) from None
+        self.engine_facts[endpoint.engine_index] = facts
+        return facts

@@ -1,0 +1,492 @@
+"""`MPClient`: the base of the engine-core clients — engine cores in other processes, over ZMQ.
+
+One ROUTER carries input to every engine (each connection named by the engine's identity) and
+one bound PULL receives every engine's outputs. `MPClient` owns the sockets, the HELLO handshake,
+the engine set (which may change at run time) and the engine monitor; the variants add how
+outputs are consumed: a thread (`client.sync_mp_client`) or an asyncio task
+(`client.async_mp_client`). The helpers at the end are shared by both consumers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from client.engine_monitor import EngineMonitor
+from engine.config import EngineConfig
+from engine.core_proc import start_engine_process, stop_engine_process
+from engine.errors import EngineDeadError
+from engine.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    EngineEndpoint,
+    EngineFacts,
+    EngineHello,
+    UtilityOutput,
+)
+from engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+EngineIdentity = bytes
+AnyFuture = Any  # a concurrent.futures.Future (sync client) or an asyncio.Future
+
+# ZMTP heartbeats on the input connections, so a silent engine host is noticed too.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
+# How long close() lets GOODBYE messages drain.
+_CLOSE_LINGER_MS = 1000
+
+
+_Client = TypeVar("_Client", bound="MPClient")
+
+
+class EngineUtilityError(RuntimeError):
+    """A utility call failed on the engine (or was refused); the engine itself is fine."""
+
+
+class EngineAttachError(RuntimeError):
+    """An engine refused this client at HELLO (protocol version, client index in use)."""
+
+
+@dataclass
+class BackgroundResources:
+    """Everything a client must release; holds no reference to the client itself.
+
+    It is the client's `weakref.finalize` callback, so dropping the last reference to the client
+    closes the sockets, stops the output task or thread and the engine processes it launched.
+    """
+
+    ctx: zmq.Context
+    input_socket: zmq.Socket | None = None
+    output_socket: zmq.Socket | None = None
+    engine_monitor: EngineMonitor | None = None
+    output_queue_task: Any = None  # asyncio.Task, asyncio mode only
+    stats_update_task: Any = None  # asyncio.Task of a DP client's stats subscription
+    stats_socket: zmq.Socket | None = None  # that subscription's socket
+    output_thread: threading.Thread | None = None
+    processes: dict[int, BaseProcess] = field(default_factory=dict)
+    engine_identities: dict[int, EngineIdentity] = field(default_factory=dict)
+    dead_engines: set[int] = field(default_factory=set)
+    # (tracker, objects) of zero-copy sends: the tensors must outlive ZMQ's use of them.
+    pending_messages: deque[tuple[zmq.MessageTracker, Any]] = field(default_factory=deque)
+    notification_tasks: set[Any] = field(default_factory=set)
+    ipc_path: str | None = None  # the output socket's file, removed on close
+    is_output_done: bool = False  # the sync output thread ended: its last error is terminal
+    is_closed: bool = False
+
+    def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
+        """Checks a received message for a death notice.
+
+        Returns:
+            True for a data message; False for a repeated notice about an engine already dead.
+
+        Raises:
+            EngineDeadError: on the first notice that an engine died.
+        """
+        if len(frames) != 2 or len(frames[0]) != len(ENGINE_CORE_DEAD):
+            return True
+        if frames[0].bytes != ENGINE_CORE_DEAD:
+            return True
+        detail = frames[1].bytes
+        engine_index = int(detail) if detail.isdigit() else None
+        if engine_index is not None and engine_index in self.dead_engines:
+            return False
+        if engine_index is None:
+            self.dead_engines.update(self.engine_identities)
+        else:
+            self.dead_engines.add(engine_index)
+        raise EngineDeadError("it sent ENGINE_CORE_DEAD or disappeared", engine_index=engine_index)
+
+    def all_engines_dead(self) -> bool:
+        return self.dead_engines.issuperset(self.engine_identities)
+
+    def add_pending(self, tracker: zmq.MessageTracker, objects: Any) -> None:
+        pending = self.pending_messages
+        while pending and pending[0][0].done:
+            pending.popleft()
+        pending.append((tracker, objects))
+
+    def __call__(self) -> None:
+        """Closes everything (idempotent): GOODBYE to engines, sockets, processes, context."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        for task in (self.output_queue_task, self.stats_update_task):
+            if task is not None and not task.done():
+                loop = task.get_loop()
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(task.cancel)
+        threads: list[threading.Thread] = []
+        if self.engine_monitor is not None:
+            self.engine_monitor.stop()
+            threads.append(self.engine_monitor)
+        if self.output_thread is not None:
+            threads.append(self.output_thread)
+        if self.input_socket is not None:
+            router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
+            for index, identity in self.engine_identities.items():
+                if index not in self.dead_engines:
+                    _send_goodbye(router, identity)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
+        _close_socket(self.output_socket, linger=0)
+        _close_socket(self.stats_socket, linger=0)
+        _close_socket(self.input_socket, linger=_CLOSE_LINGER_MS)
+        if self.ipc_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.ipc_path)
+        for process in self.processes.values():
+            stop_engine_process(process)
+        self.processes.clear()
+        if any(t.is_alive() and t is not threading.current_thread() for t in threads):
+            logger.warning("client background threads did not stop; leaving the ZMQ context open")
+            return
+        self.ctx.term()
+
+
+class MPClient:
+    """Base of the seed's client family: sockets, HELLO handshake, engine set, engine monitor.
+
+    An engine is attached (HELLO answered with its facts; `engines`, `engine_facts`), then
+    either removed on purpose (`remove_engine`: GOODBYE, its pending calls fail) or dead:
+    it sent ENGINE_CORE_DEAD, its process exited, or its input connection stayed down for a
+    second — the monitor then pushes ENGINE_CORE_DEAD into this client's own output socket, so
+    the output consumer learns of every death the same way. A dead engine's index stays in
+    `resources.dead_engines` until it is removed or attached again; sends to it fail at once.
+
+    Args:
+        endpoints: the engines to attach to now (more can be added later).
+        asyncio_mode: use zmq.asyncio sockets (for `AsyncMPClient`).
+        client_index: this client's index on every engine; distinct per attached client.
+        host: interface the output PULL binds (must be reachable from the engines) for tcp.
+        transport: "tcp" or "ipc" for the output PULL.
+        processes: engine processes this client launched (watched, and stopped on close).
+        hello_timeout_s: how long to wait for each engine's HELLO answer.
+
+    Raises:
+        EngineAttachError: an engine refused this client.
+        EngineDeadError: an engine died during the handshake.
+        TimeoutError: an engine did not answer HELLO in time.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[EngineEndpoint],
+        *,
+        asyncio_mode: bool = False,
+        client_index: int = 0,
+        host: str = "127.0.0.1",
+        transport: Literal["tcp", "ipc"] = "tcp",
+        processes: Mapping[int, BaseProcess] | None = None,
+        hello_timeout_s: float = 30.0,
+    ) -> None:
+        sync_ctx = zmq.Context()
+        self.ctx: zmq.Context = zmq.asyncio.Context.shadow(sync_ctx) if asyncio_mode else sync_ctx
+        self.resources = BackgroundResources(ctx=sync_ctx)
+        self._finalizer = weakref.finalize(self, self.resources)
+        self.client_index = client_index
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        # call_id -> future of a pending utility call, and the engine it went to.
+        self.utility_results: dict[int, AnyFuture] = {}
+        self.utility_engines: dict[int, int] = {}
+        self.engines: dict[int, EngineEndpoint] = {}
+        self.engine_facts: dict[int, EngineFacts] = {}
+        self._engine_index_of: dict[EngineIdentity, int] = {}
+        self._hello_timeout_s = hello_timeout_s
+        try:
+            self.input_socket = self._make_input_socket()
+            self.output_socket, self.output_address = self._make_output_socket(host, transport)
+            monitor_address = f"inproc://engine-router-monitor-{uuid.uuid4().hex}"
+            self.input_socket.monitor(
+                monitor_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            )
+            monitor = EngineMonitor(sync_ctx, monitor_address, self.output_address)
+            self.resources.engine_monitor = monitor
+            monitor.start()
+            processes = processes or {}
+            self._attach_blocking([(e, processes.get(e.engine_index)) for e in endpoints])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def make_local(
+        cls: type[_Client],
+        config: EngineConfig,
+        *,
+        engine_index: int = 0,
+        engine_transport: Literal["tcp", "ipc"] = "tcp",
+        startup_timeout_s: float = 120.0,
+        **kwargs: Any,
+    ) -> _Client:
+        """Launches one engine process and attaches a new client to it.
+
+        Returns:
+            An instance of `cls`; closing it stops the engine process.
+
+        Raises:
+            RuntimeError: the engine failed to start.
+        """
+        process, endpoint = start_engine_process(
+            config,
+            engine_index=engine_index,
+            transport=engine_transport,
+            startup_timeout_s=startup_timeout_s,
+        )
+        try:
+            return cls([endpoint], processes={engine_index: process}, **kwargs)
+        except BaseException:
+            stop_engine_process(process)
+            raise
+
+    @property
+    def core_engine(self) -> EngineIdentity:
+        """The identity of the first attached engine: where single-engine calls go."""
+        for endpoint in self.engines.values():
+            return endpoint.identity
+        raise EngineDeadError("no engine is attached")
+
+    def shutdown(self) -> None:
+        """GOODBYE to every engine, closes sockets, stops engine processes it launched."""
+        self._finalizer()
+
+    close = shutdown
+
+    # --- sockets ----------------------------------------------------------------------------
+
+    def _make_input_socket(self) -> zmq.Socket:
+        socket = self.ctx.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self.resources.input_socket = socket
+        return socket
+
+    def _make_output_socket(self, host: str, transport: str) -> tuple[zmq.Socket, str]:
+        socket = self.ctx.socket(zmq.PULL)
+        # The default receive HWM: unbounded, the IO thread outruns the reader and costs it
+        # a third of its throughput; beyond it, outputs wait in the engine's PUSH queue.
+        socket.setsockopt(zmq.LINGER, 0)
+        self.resources.output_socket = socket
+        if transport == "tcp":
+            port = socket.bind_to_random_port(f"tcp://{host}")
+            return socket, f"tcp://{host}:{port}"
+        if transport == "ipc":
+            path = f"{tempfile.gettempdir()}/shoal-client-{uuid.uuid4().hex}.sock"
+            socket.bind(f"ipc://{path}")
+            self.resources.ipc_path = path
+            return socket, f"ipc://{path}"
+        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+
+    # --- the engine set ---------------------------------------------------------------------
+
+    def add_engine(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        """Attaches one more engine (blocking handshake; variants override when it must not block).
+
+        Raises:
+            ValueError: an engine with this index is already attached.
+            EngineAttachError, EngineDeadError, TimeoutError: as at construction.
+        """
+        self._attach_blocking([(endpoint, process)])
+        return self.engine_facts[endpoint.engine_index]
+
+    def remove_engine(self, engine_index: int) -> None:
+        """Detaches an engine on purpose: GOODBYE, disconnect, its pending calls fail.
+
+        Raises:
+            ValueError: no engine with this index is attached.
+        """
+        endpoint = self.engines.pop(engine_index, None)
+        if endpoint is None:
+            raise ValueError(f"engine {engine_index} is not attached")
+        assert self.resources.engine_monitor is not None
+        self.resources.engine_monitor.forget(engine_index)
+        if engine_index not in self.resources.dead_engines:
+            _send_goodbye(zmq.Socket.shadow(self.input_socket.underlying), endpoint.identity)
+        self.input_socket.disconnect(endpoint.input_address)
+        self._engine_index_of.pop(endpoint.identity, None)
+        self.resources.engine_identities.pop(engine_index, None)
+        self.resources.dead_engines.discard(engine_index)
+        self.engine_facts.pop(engine_index, None)
+        error = EngineDeadError("it was removed from this client", engine_index=engine_index)
+        fail_utility_calls(self.utility_results, self.utility_engines, engine_index, error)
+        process = self.resources.processes.pop(engine_index, None)
+        if process is not None:
+            stop_engine_process(process)
+
+    def _connect_engine(self, endpoint: EngineEndpoint, process: BaseProcess | None) -> None:
+        index = endpoint.engine_index
+        if index in self.engines:
+            raise ValueError(f"engine {index} is already attached; remove it first")
+        assert self.resources.engine_monitor is not None
+        self.resources.engine_monitor.watch(index, endpoint.input_address, process)
+        self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)
+        self.input_socket.connect(endpoint.input_address)
+        self.engines[index] = endpoint
+        self._engine_index_of[endpoint.identity] = index
+        self.resources.engine_identities[index] = endpoint.identity
+        self.resources.dead_engines.discard(index)
+        if process is not None:
+            self.resources.processes[index] = process
+
+    def _hello_message(self) -> tuple[int, tuple[bytes | memoryview, ...]]:
+        call_id = uuid.uuid1().int >> 64
+        hello = EngineHello(self.client_index, self.output_address, call_id)
+        return call_id, (EngineCoreRequestType.HELLO.value, *self.encoder.encode(hello))
+
+    def _on_hello_reply(self, endpoint: EngineEndpoint, output: UtilityOutput) -> EngineFacts:
+        if output.failure_message is not None:
+            self.remove_engine(endpoint.engine_index)
+            raise EngineAttachError(
+                f"engine {endpoint.engine_index} refused this client: {output.failure_message}"
+            )
+        facts = output.result.result if output.result is not None else None
+        if not isinstance(facts, EngineFacts):
+            raise EngineAttachError(f"engine {endpoint.engine_index} sent no facts at HELLO")
+        self.engine_facts[endpoint.engine_index] = facts
+        return facts
+
+    def _attach_blocking(
+        self, engines: Sequence[tuple[EngineEndpoint, BaseProcess | None]]
+    ) -> None:
+        """HELLO to each engine and wait for every answer on the output socket directly.
+
+        Only valid while nothing else consumes the output socket (construction, or before the
+        output task or thread starts).
+        """
+        router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
+        pull: zmq.Socket = zmq.Socket.shadow(self.output_socket.underlying)
+        deadline = time.monotonic() + self._hello_timeout_s
+        waiting: dict[int, EngineEndpoint] = {}
+        for endpoint, process in engines:
+            self._connect_engine(endpoint, process)
+            call_id, message = self._hello_message()
+            send_hello(router, endpoint.identity, message, deadline)
+            waiting[call_id] = endpoint
+        while waiting:
+            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not pull.poll(timeout_ms):
+                names = sorted(e.engine_index for e in waiting.values())
+                raise TimeoutError(f"engines {names} did not answer HELLO in time")
+            frames = pull.recv_multipart(copy=False)
+            if not self.resources.validate_alive(frames):
+                continue
+            utility = self.decoder.decode(frames).utility_output
+            if utility is None or utility.call_id not in waiting:
+                logger.warning("dropped an unexpected message during the HELLO handshake")
+                continue
+            self._on_hello_reply(waiting.pop(utility.call_id), utility)
+
+    def _check_engine(self, engine: EngineIdentity) -> int:
+        """The index of a live attached engine; raises EngineDeadError otherwise."""
+        index = self._engine_index_of.get(engine)
+        if index is None:
+            raise EngineDeadError("no such engine is attached")
+        if index in self.resources.dead_engines:
+            raise EngineDeadError(engine_index=index)
+        return index
+
+    def _new_utility_message(
+        self, method: str, args: tuple[Any, ...]
+    ) -> tuple[int, tuple[Any, ...]]:
+        call_id = uuid.uuid1().int >> 64
+        payload = self.encoder.encode((self.client_index, call_id, method, args))
+        return call_id, (EngineCoreRequestType.UTILITY.value, *payload)
+
+
+# --- shared by the output thread and the output task ----------------------------------------
+
+
+def process_utility_output(output: UtilityOutput, utility_results: dict[int, AnyFuture]) -> None:
+    """Completes the future of a utility call (concurrent or asyncio) with its result."""
+    future = utility_results.pop(output.call_id, None)
+    if future is None or future.done():
+        return  # the caller gave up (cancelled) or the engine was declared dead first
+    if output.failure_message is not None:
+        future.set_exception(EngineUtilityError(output.failure_message))
+    else:
+        future.set_result(output.result.result if output.result is not None else None)
+
+
+def fail_utility_calls(
+    utility_results: dict[int, AnyFuture],
+    utility_engines: dict[int, int],
+    engine_index: int | None,
+    error: BaseException,
+) -> None:
+    """Fails the pending utility calls of one engine (all engines if `engine_index` is None)."""
+    for call_id, index in list(utility_engines.items()):
+        if engine_index is not None and index != engine_index:
+            continue
+        del utility_engines[call_id]
+        future = utility_results.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+
+def format_exception(error: BaseException) -> EngineDeadError:
+    """The consumer-facing form of an output failure: always EngineDeadError, cause attached."""
+    if isinstance(error, EngineDeadError):
+        return error
+    dead = EngineDeadError(f"the output stream failed: {type(error).__name__}: {error}")
+    dead.__cause__ = error
+    return dead
+
+
+def as_engine_error(error: zmq.ZMQError, engine_index: int) -> Exception:
+    if error.errno == zmq.EHOSTUNREACH:
+        return EngineDeadError("its input connection is gone", engine_index=engine_index)
+    return error
+
+
+def send_hello(
+    router: zmq.Socket, identity: EngineIdentity, message: tuple[Any, ...], deadline: float
+) -> None:
+    """Sends HELLO, retrying while the ROUTER has no connection to the engine yet."""
+    delay_s = 0.001
+    while True:
+        try:
+            router.send_multipart((identity, *message), flags=zmq.NOBLOCK)
+            return
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay_s)  # connection setup, not the data path
+        delay_s = min(delay_s * 2, 0.05)
+
+
+def _send_goodbye(router: zmq.Socket, identity: EngineIdentity) -> None:
+    # If the engine is already unreachable, it notices the lost connection instead.
+    with contextlib.suppress(zmq.ZMQError):
+        router.send_multipart((identity, EngineCoreRequestType.GOODBYE.value), flags=zmq.NOBLOCK)
+
+
+def _close_socket(socket: zmq.Socket | None, linger: int) -> None:
+    if socket is None or socket.closed:
+        return
+    try:
+        socket.close(linger=linger)
+    except RuntimeError:  # an asyncio socket whose event loop is already closed
+        zmq.Socket.shadow(socket.underlying).close(linger=linger)

@@ -1,0 +1,484 @@
+"""The two ZMQ IO threads of an `EngineCoreProc`, and the state machine of a client connection.
+
+The input thread owns the bound ROUTER and every client's connection state; it decodes and
+validates frames and queues work for the busy loop. The output thread owns the per-client PUSH
+sockets and the stats PUSH; it encodes and sends. They meet the busy loop only through queues.
+Neither knows what a step does: the busy loop lives in `engine.core_proc`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import zmq
+
+from engine.protocol import (
+    ENGINE_CORE_DEAD,
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineFacts,
+    EngineHello,
+    EngineStatsReport,
+    FinishReason,
+    UtilityOutput,
+    UtilityResult,
+)
+from engine.serial import MsgpackDecoder, MsgpackEncoder, peek_call_id, peek_request_id, tag_structs
+
+logger = logging.getLogger(__name__)
+
+# How long a client's output connection may stay down before the client counts as gone.
+DISCONNECT_GRACE_S = 1.5
+# How long a newly attached client has to accept the engine's output connection.
+CONNECT_GRACE_S = 5.0
+# ZMTP heartbeats on output connections, so a silent (partitioned) client is noticed too.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+# The input thread wakes at least this often to notice shutdown and expired connections.
+_INPUT_POLL_MS = 100
+_MAX_MESSAGES_PER_WAKE = 256
+
+
+class Op:
+    """Tags of the tuples that travel busy-loop ← input thread and busy-loop → output thread."""
+
+    ADD = 0  # (ADD, EngineCoreRequest)
+    ABORT = 1  # (ABORT, request_ids)
+    UTILITY = 2  # (UTILITY, client_index, call_id, method, args)
+    ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply)
+    DETACH = 4  # (DETACH, client_index)
+    SEND = 5  # (SEND, client_index, EngineCoreOutputs)
+    STATS = 6  # (STATS, EngineStatsReport)
+    DEAD = 7  # (DEAD,): tell every attached client the engine is gone, then stop
+    WAKE = 8  # (WAKE,): no work, only wakes the busy loop
+
+
+_REQUEST_TYPES = {t.value: t for t in EngineCoreRequestType}
+_UtilityCall = tuple[int, int, str, list[Any]]
+
+
+class _ClientConnection:
+    """One attached client, as the input thread sees it.
+
+    State machine (the input thread is the only writer):
+
+        (no HELLO) ──HELLO ok──▶ CONNECTING ──output handshake──▶ CONNECTED
+        CONNECTED ──output disconnected──▶ SUSPECT ──output handshake──▶ CONNECTED
+        CONNECTING/SUSPECT ──deadline passed──▶ DETACHED
+        any ──GOODBYE, or a HELLO for its index while SUSPECT──▶ DETACHED
+
+    `deadline` is set exactly in CONNECTING and SUSPECT. DETACHED aborts every request of the
+    client and closes its PUSH; its routing id and client index are free again. Frames from a
+    routing id with no connection are dropped (there is nowhere to answer them).
+    """
+
+    __slots__ = ("client_index", "deadline", "monitor", "output_address", "routing_id")
+
+    def __init__(
+        self, routing_id: bytes, client_index: int, output_address: str, monitor: zmq.Socket
+    ) -> None:
+        self.routing_id = routing_id
+        self.client_index = client_index
+        self.output_address = output_address
+        self.monitor = monitor
+        self.deadline: float | None = time.monotonic() + CONNECT_GRACE_S
+
+    @property
+    def is_suspect(self) -> bool:
+        return self.deadline is not None
+
+
+class InputThread(threading.Thread):
+    """Receives client frames, validates them and queues work for the busy loop.
+
+    Args:
+        ctx: the engine's ZMQ context.
+        router: the bound input ROUTER; this thread owns (and closes) it from now on.
+        facts: the answer to every accepted HELLO.
+        utility_methods: names a UTILITY call may invoke; others are refused here.
+        work_queue: the busy loop's input queue.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        router: zmq.Socket,
+        facts: EngineFacts,
+        utility_methods: frozenset[str],
+        work_queue: queue.SimpleQueue[tuple[Any, ...]],
+    ) -> None:
+        super().__init__(name=f"EngineCoreInput_{facts.engine_index}", daemon=True)
+        self._ctx = ctx
+        self._router = router
+        self._facts = facts
+        self._engine_index = facts.engine_index
+        self._utility_methods = utility_methods
+        self._work_queue = work_queue
+        self._stop_event = threading.Event()
+        self._encoder = MsgpackEncoder()
+        self._add_decoder = MsgpackDecoder(EngineCoreRequest)
+        self._abort_decoder = MsgpackDecoder(list[str])
+        self._utility_decoder = MsgpackDecoder(_UtilityCall)
+        self._hello_decoder = MsgpackDecoder(EngineHello)
+        self._poller = zmq.Poller()
+        self._connections: dict[bytes, _ClientConnection] = {}
+        self._by_client_index: dict[int, _ClientConnection] = {}
+        self._monitors: dict[zmq.Socket, _ClientConnection] = {}
+
+    def stop(self) -> None:
+        """Asks the thread to exit within ~0.1 s; thread-safe."""
+        self._stop_event.set()
+
+    def run(self) -> None:
+        self._poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stop_event.is_set():
+                for socket, _ in self._poller.poll(self._poll_timeout_ms()):
+                    if socket is self._router:
+                        self._drain_router()
+                    else:
+                        self._on_monitor_event(self._monitors[socket])
+                self._expire_connections()
+        except Exception:
+            logger.exception("engine %d input thread failed", self._engine_index)
+            self._work_queue.put((Op.DEAD,))
+        finally:
+            for connection in list(self._connections.values()):
+                connection.monitor.close(linger=0)
+            self._router.close(linger=0)
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [c.deadline for c in self._connections.values() if c.deadline is not None]
+        if not deadlines:
+            return _INPUT_POLL_MS
+        wait_ms = (min(deadlines) - time.monotonic()) * 1000
+        return max(0, min(_INPUT_POLL_MS, int(wait_ms) + 1))
+
+    def _drain_router(self) -> None:
+        for _ in range(_MAX_MESSAGES_PER_WAKE):  # bounded: monitors and deadlines need turns too
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(frames)
+            except Exception:  # a peer's frames must never kill this thread
+                logger.exception(
+                    "engine %d dropped a message it could not handle", self._engine_index
+                )
+
+    # --- frames -------------------------------------------------------------------------------
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            logger.warning("engine %d dropped a message without a request type", self._engine_index)
+            return
+        routing_id = frames[0].bytes
+        request_type = _REQUEST_TYPES.get(frames[1].bytes)
+        payload = frames[2:]
+        connection = self._connections.get(routing_id)
+        if request_type is EngineCoreRequestType.HELLO:
+            self._on_hello(routing_id, connection, payload)
+        elif connection is None:
+            logger.warning(
+                "engine %d dropped a %s from a peer that never said HELLO",
+                self._engine_index,
+                request_type.name if request_type else "message",
+            )
+        elif not payload and request_type is not EngineCoreRequestType.GOODBYE:
+            logger.warning("engine %d dropped a message without payload", self._engine_index)
+        elif request_type is EngineCoreRequestType.ADD:
+            self._on_add(connection, payload)
+        elif request_type is EngineCoreRequestType.ABORT:
+            self._on_abort(payload)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            self._on_utility(connection, payload)
+        elif request_type is EngineCoreRequestType.GOODBYE:
+            self._detach(connection, "it said goodbye")
+        else:
+            logger.warning(
+                "engine %d dropped a message of unsupported type %r from client %d",
+                self._engine_index,
+                frames[1].bytes,
+                connection.client_index,
+            )
+
+    def _on_add(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
+        try:
+            request: EngineCoreRequest = self._add_decoder.decode(payload)
+        except Exception as e:
+            request_id = peek_request_id(payload[0].buffer)
+            logger.warning(
+                "engine %d got a malformed ADD (%r): %s", self._engine_index, request_id, e
+            )
+            if request_id is not None:
+                output = EngineCoreOutput(
+                    request_id=request_id,
+                    finish_reason=FinishReason.ERROR,
+                    error_message=f"malformed request: {e}",
+                )
+                self._send(connection.client_index, EngineCoreOutputs(outputs=[output]))
+            return
+        request.client_index = connection.client_index  # never trust the sender's index
+        self._work_queue.put((Op.ADD, request))
+
+    def _on_abort(self, payload: list[zmq.Frame]) -> None:
+        try:
+            request_ids = self._abort_decoder.decode(payload)
+        except Exception as e:
+            logger.warning("engine %d dropped a malformed ABORT: %s", self._engine_index, e)
+            return
+        self._work_queue.put((Op.ABORT, request_ids))
+
+    def _on_utility(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
+        try:
+            _, call_id, method, args = self._utility_decoder.decode(payload)
+        except Exception as e:
+            peeked = peek_call_id(payload[0].buffer)
+            logger.warning("engine %d got a malformed UTILITY call: %s", self._engine_index, e)
+            if peeked is not None:
+                self._send_utility_failure(connection, peeked, f"malformed utility call: {e}")
+            return
+        if method not in self._utility_methods:
+            allowed = ", ".join(sorted(self._utility_methods))
+            message = f"unknown utility method {method!r}; allowed: {allowed}"
+            self._send_utility_failure(connection, call_id, message)
+            return
+        self._work_queue.put((Op.UTILITY, connection.client_index, call_id, method, args))
+
+    def _send_utility_failure(
+        self, connection: _ClientConnection, call_id: int, message: str
+    ) -> None:
+        failure = UtilityOutput(call_id=call_id, failure_message=message)
+        self._send(connection.client_index, EngineCoreOutputs(utility_output=failure))
+
+    def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        # Through the busy loop, so it lands after the ATTACH that created the client's PUSH.
+        outputs.engine_index = self._engine_index
+        self._work_queue.put((Op.SEND, client_index, outputs))
+
+    # --- attach / detach --------------------------------------------------------------------
+
+    def _on_hello(
+        self, routing_id: bytes, connection: _ClientConnection | None, payload: list[zmq.Frame]
+    ) -> None:
+        try:
+            hello: EngineHello = self._hello_decoder.decode(payload)
+        except Exception as e:
+            logger.warning(
+                "engine %d dropped a malformed HELLO (cannot answer it): %s", self._engine_index, e
+            )
+            return
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self._refuse(
+                hello,
+                f"protocol version {hello.protocol_version} is not supported; "
+                f"this engine speaks version {PROTOCOL_VERSION}",
+            )
+            return
+        if connection is not None:
+            if (connection.client_index, connection.output_address) == (
+                hello.client_index,
+                hello.output_address,
+            ):
+                self._send(connection.client_index, self._hello_reply(hello))  # a repeated HELLO
+            else:
+                self._refuse(
+                    hello, f"this connection is attached as client {connection.client_index}"
+                )
+            return
+        other = self._by_client_index.get(hello.client_index)
+        if other is not None:
+            if not other.is_suspect:
+                self._refuse(
+                    hello,
+                    f"client_index {hello.client_index} is already attached to another live "
+                    "connection; use a distinct client_index per client",
+                )
+                return
+            self._detach(other, "a new connection took over its client index")
+        self._attach(routing_id, hello)
+
+    def _attach(self, routing_id: bytes, hello: EngineHello) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        push.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        monitor_address = f"inproc://client-monitor-{uuid.uuid4().hex}"
+        push.monitor(monitor_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.connect(monitor_address)
+        try:
+            push.connect(hello.output_address)
+        except zmq.ZMQError as e:
+            logger.warning(
+                "engine %d refused HELLO: bad output address %r: %s",
+                self._engine_index,
+                hello.output_address,
+                e,
+            )
+            monitor.close(linger=0)
+            push.close(linger=0)
+            return
+        connection = _ClientConnection(
+            routing_id, hello.client_index, hello.output_address, monitor
+        )
+        self._connections[routing_id] = connection
+        self._by_client_index[hello.client_index] = connection
+        self._monitors[monitor] = connection
+        self._poller.register(monitor, zmq.POLLIN)
+        # The PUSH belongs to the output thread from here on; the queue is the memory barrier.
+        self._work_queue.put((Op.ATTACH, hello.client_index, push, self._hello_reply(hello)))
+        logger.info(
+            "engine %d attached client %d (outputs to %s)",
+            self._engine_index,
+            hello.client_index,
+            hello.output_address,
+        )
+
+    def _hello_reply(self, hello: EngineHello) -> EngineCoreOutputs:
+        result = UtilityResult(tag_structs(self._facts))
+        return EngineCoreOutputs(
+            engine_index=self._engine_index,
+            utility_output=UtilityOutput(call_id=hello.call_id, result=result),
+        )
+
+    def _refuse(self, hello: EngineHello, message: str) -> None:
+        """Answers a refused HELLO on a short-lived PUSH; the client is never attached."""
+        logger.warning(
+            "engine %d refused client %d: %s", self._engine_index, hello.client_index, message
+        )
+        reply = EngineCoreOutputs(
+            engine_index=self._engine_index,
+            utility_output=UtilityOutput(call_id=hello.call_id, failure_message=message),
+        )
+        push = self._ctx.socket(zmq.PUSH)
+        try:
+            push.connect(hello.output_address)
+            push.send_multipart(self._encoder.encode(reply))
+        except zmq.ZMQError as e:
+            logger.warning("engine %d could not answer a refused HELLO: %s", self._engine_index, e)
+        finally:
+            push.close(linger=2000)  # the context delivers in the background
+
+    def _detach(self, connection: _ClientConnection, reason: str) -> None:
+        logger.info(
+            "engine %d detached client %d: %s", self._engine_index, connection.client_index, reason
+        )
+        del self._connections[connection.routing_id]
+        del self._by_client_index[connection.client_index]
+        del self._monitors[connection.monitor]
+        self._poller.unregister(connection.monitor)
+        connection.monitor.close(linger=0)
+        self._work_queue.put((Op.DETACH, connection.client_index))
+
+    def _on_monitor_event(self, connection: _ClientConnection) -> None:
+        while True:
+            try:
+                frames = connection.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = int.from_bytes(frames[0][:2], "little")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connection.deadline = None
+            elif event == zmq.EVENT_DISCONNECTED and connection.deadline is None:
+                connection.deadline = time.monotonic() + DISCONNECT_GRACE_S
+
+    def _expire_connections(self) -> None:
+        now = time.monotonic()
+        for connection in list(self._connections.values()):
+            if connection.deadline is not None and connection.deadline <= now:
+                self._detach(connection, "its output connection is gone")
+
+
+class OutputThread(threading.Thread):
+    """Encodes and pushes outputs to the client that owns them; sends stats reports.
+
+    Args:
+        engine_index: stamped on the death notice.
+        work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`, `DEAD`).
+        stats_socket: a connected PUSH for stats reports, owned by this thread from now on.
+    """
+
+    def __init__(
+        self,
+        engine_index: int,
+        work_queue: queue.SimpleQueue[tuple[Any, ...]],
+        stats_socket: zmq.Socket | None,
+    ) -> None:
+        super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
+        self._engine_index = engine_index
+        self._work_queue = work_queue
+        self._stats_socket = stats_socket
+        self._encoder = MsgpackEncoder()
+        self._pushes: dict[int, zmq.Socket] = {}
+        # (tracker, frames) of zero-copy sends: the frames must outlive ZMQ's use of them.
+        self._pending: deque[tuple[zmq.MessageTracker, list[Any]]] = deque()
+
+    def run(self) -> None:
+        linger_ms = 0
+        try:
+            while True:
+                item = self._work_queue.get()
+                op = item[0]
+                if op == Op.SEND:
+                    self._send(item[1], item[2])
+                elif op == Op.ATTACH:
+                    self._pushes[item[1]] = item[2]
+                    self._send(item[1], item[3])
+                elif op == Op.DETACH:
+                    push = self._pushes.pop(item[1], None)
+                    if push is not None:
+                        push.close(linger=0)
+                elif op == Op.STATS:
+                    self._send_stats(item[1])
+                elif op == Op.DEAD:
+                    notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
+                    for push in self._pushes.values():
+                        push.send_multipart(notice)
+                    # Enough for connected clients; one that is away learns from its own monitor.
+                    linger_ms = 200
+                    return
+        except Exception:
+            logger.exception("engine %d output thread failed", self._engine_index)
+        finally:
+            for push in self._pushes.values():
+                push.close(linger=linger_ms)
+            if self._stats_socket is not None:
+                self._stats_socket.close(linger=0)
+
+    def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        push = self._pushes.get(client_index)
+        if push is None:
+            return  # the client detached; nobody is waiting for these
+        try:
+            frames = self._encoder.encode(outputs)
+        except TypeError as e:
+            utility = outputs.utility_output
+            if utility is None:
+                raise
+            message = f"the result of this call cannot be sent: {e}"
+            outputs.utility_output = UtilityOutput(call_id=utility.call_id, failure_message=message)
+            frames = self._encoder.encode(outputs)
+        if len(frames) == 1:
+            push.send(frames[0])
+            return
+        tracker = push.send_multipart(frames, copy=False, track=True)
+        assert tracker is not None, "track=True always returns a tracker"
+        self._pending.append((tracker, frames))
+        while self._pending and self._pending[0][0].done:
+            self._pending.popleft()
+
+    def _send_stats(self, report: EngineStatsReport) -> None:
+        if self._stats_socket is not None:
+            self._stats_socket.send(self._encoder.encode(report)[0])

@@ -1,0 +1,394 @@
+"""`EngineCoreProc`: one `EngineCore` behind ZMQ — a busy loop plus two IO threads — and its process.
+
+The busy loop runs in whichever thread calls `run_busy_loop()` (a process's main thread, or a
+Ray actor's background thread); nothing here assumes the main thread or signals, except the
+process entry `run_engine_core`. Framing and connection handling live in `engine.core_io`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core_io import InputThread, Op, OutputThread
+from engine.engine_core import EngineCore
+from engine.protocol import (
+    EngineCoreOutputs,
+    EngineEndpoint,
+    EngineStatsReport,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityResult,
+)
+from engine.serial import tag_structs
+
+logger = logging.getLogger(__name__)
+
+Transport = Literal["tcp", "ipc"]
+
+# Stats reports: no more often than this while the load changes...
+STATS_MIN_INTERVAL_S = 0.05
+# ...and at least this often as a heartbeat when it does not.
+STATS_MAX_INTERVAL_S = 1.0
+# Idle busy loop: how long to block on the input queue when nothing else is due.
+_IDLE_WAIT_S = 1.0
+
+
+class EngineCoreProc:
+    """Runs one `EngineCore` with ZMQ IO: a ROUTER for every client's input, a PUSH per client.
+
+    Building it loads the model and binds the input socket; the IO threads start at once, so
+    clients may attach before `run_busy_loop()` is called (their work waits for it).
+
+    Wire, client → engine (ROUTER): `[client_routing_id, request_type, *payload]`, the type one
+    byte of `EngineCoreRequestType`, the payload `engine.serial` frames:
+
+        HELLO    EngineHello       → on a new PUSH to its output_address: UtilityOutput(call_id,
+                                     result=EngineFacts), or a failure_message (refused)
+        ADD      EngineCoreRequest   its client_index is replaced by the HELLO-bound one
+        ABORT    list[str]           request ids
+        UTILITY  (client_index, call_id, method, args) → UtilityOutput(call_id, result | failure)
+        GOODBYE  (no payload)        detaches: the client's requests are aborted
+
+    Engine → client (PUSH per client): one `EngineCoreOutputs` per message, or
+    `[ENGINE_CORE_DEAD, b"<engine_index>"]` when the engine stops. A client's connection states
+    are documented on `engine.core_io._ClientConnection`.
+
+    Args:
+        config: the engine's configuration.
+        engine_index: this rank's index.
+        host: interface to bind for tcp.
+        transport: "tcp" (port chosen by the OS) or "ipc" (a socket file in a temp dir).
+        identity: the ROUTER routing id clients use to address this engine; default unique.
+        stats_address: where to push `EngineStatsReport`s; None: no reports.
+
+    Raises:
+        ModelLoadError, ValueError: from `EngineCore`.
+    """
+
+    # Methods of EngineCore a client may call by name with a UTILITY message.
+    UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "echo", "collective_rpc"})
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_index: int = 0,
+        host: str = "127.0.0.1",
+        transport: Transport = "tcp",
+        identity: bytes | None = None,
+        stats_address: str | None = None,
+    ) -> None:
+        self.engine_index = engine_index
+        self.engine_core = EngineCore(config, engine_index=engine_index)
+        self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
+        self._input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._ctx = zmq.Context()
+        self._ipc_dir: str | None = None
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        self._input_address = self._bind(router, host, transport)
+        stats_socket = None
+        if stats_address is not None:
+            stats_socket = self._ctx.socket(zmq.PUSH)
+            stats_socket.setsockopt(zmq.LINGER, 0)
+            stats_socket.connect(stats_address)
+        facts = self.engine_core.facts(self._identity)
+        methods = self.UTILITY_METHODS
+        self._input_thread = InputThread(self._ctx, router, facts, methods, self._input_queue)
+        self._output_thread = OutputThread(engine_index, self._output_queue, stats_socket)
+        self._is_stats_enabled = stats_address is not None
+        self._last_stats: SchedulerStats | None = None
+        self._last_stats_time = 0.0  # when the last report was sent
+        self._next_stats_check = 0.0  # no look at the stats before this (rate limit)
+        self._is_stats_dirty = True
+        # Requests aborted because their client left: dropped from the next step's outputs so
+        # a new client that reuses the index never sees them.
+        self._orphan_ids: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+        self._is_shutdown_requested = False
+        self._is_running = False
+        self._is_closed = False
+        self._input_thread.start()
+        self._output_thread.start()
+
+    @property
+    def input_address(self) -> str:
+        return self._input_address
+
+    @property
+    def identity(self) -> bytes:
+        return self._identity
+
+    @property
+    def endpoint(self) -> EngineEndpoint:
+        return EngineEndpoint(self.engine_index, self._identity, self._input_address)
+
+    def _bind(self, router: zmq.Socket, host: str, transport: Transport) -> str:
+        if transport == "tcp":
+            port = router.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
+        if transport == "ipc":
+            self._ipc_dir = tempfile.mkdtemp(prefix="shoal-")
+            address = f"ipc://{self._ipc_dir}/engine-{self.engine_index}.sock"
+            router.bind(address)
+            return address
+        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+
+    # --- the busy loop ----------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Serves until `shutdown()`; blocks the calling thread.
+
+        Each turn: (1) drain the input queue, blocking briefly when idle; (2) if there is work,
+        run one engine step; (3) hand each client's outputs to the output thread; (4) report
+        stats when due. On a fatal error every attached client is told ENGINE_CORE_DEAD.
+
+        Raises:
+            Exception: whatever killed the loop, after the clients were told.
+        """
+        with self._lock:
+            if self._is_closed:
+                raise RuntimeError("this EngineCoreProc was shut down")
+            self._is_running = True
+        try:
+            while not self._is_shutdown_requested:
+                self._process_input_queue()  # (1)
+                if self.engine_core.has_unfinished_requests():
+                    self._queue_outputs(self.engine_core.step())  # (2), (3)
+                    self._is_stats_dirty = True
+                if self._is_stats_enabled:
+                    self._maybe_report_stats()  # (4)
+        except Exception:
+            logger.exception("engine %d busy loop died", self.engine_index)
+            raise
+        finally:
+            self._close()
+
+    def _process_input_queue(self) -> None:
+        input_queue = self._input_queue
+        if not self.engine_core.has_unfinished_requests():
+            try:
+                self._handle_input(input_queue.get(timeout=self._idle_wait_s()))
+            except queue.Empty:
+                return
+        while not input_queue.empty():
+            self._handle_input(input_queue.get_nowait())
+
+    def _idle_wait_s(self) -> float:
+        if not self._is_stats_enabled:
+            return _IDLE_WAIT_S
+        if self._is_stats_dirty:
+            wake_at = self._next_stats_check
+        else:
+            wake_at = self._last_stats_time + STATS_MAX_INTERVAL_S
+        return max(0.0, wake_at - time.monotonic())
+
+    def _handle_input(self, item: tuple[Any, ...]) -> None:
+        op = item[0]
+        self._is_stats_dirty = True
+        if op == Op.ADD:
+            self.engine_core.add_request(item[1])
+        elif op == Op.ABORT:
+            self.engine_core.abort_requests(item[1])
+        elif op == Op.UTILITY:
+            self._call_utility(*item[1:])
+        elif op == Op.DETACH:
+            aborted = self.engine_core.abort_client_requests(item[1])
+            if aborted:
+                self._orphan_ids[item[1]] = set(aborted)
+            self._output_queue.put(item)
+        elif op in (Op.ATTACH, Op.SEND):
+            self._output_queue.put(item)
+        elif op == Op.DEAD:
+            raise RuntimeError("an engine IO thread failed")
+
+    def _call_utility(self, client_index: int, call_id: int, method: str, args: list[Any]) -> None:
+        try:
+            value = getattr(self.engine_core, method)(*args)
+            output = UtilityOutput(call_id=call_id, result=UtilityResult(tag_structs(value)))
+        except Exception as e:
+            logger.info("utility call %s failed: %s", method, e)
+            output = UtilityOutput(call_id=call_id, failure_message=f"{type(e).__name__}: {e}")
+        outputs = EngineCoreOutputs(engine_index=self.engine_index, utility_output=output)
+        self._output_queue.put((Op.SEND, client_index, outputs))
+
+    def _queue_outputs(self, outputs_by_client: dict[int, EngineCoreOutputs]) -> None:
+        orphans, self._orphan_ids = self._orphan_ids, {}
+        for client_index, outputs in outputs_by_client.items():
+            dropped = orphans.get(client_index)
+            if dropped:
+                outputs.outputs = [o for o in outputs.outputs if o.request_id not in dropped]
+            self._output_queue.put((Op.SEND, client_index, outputs))
+
+    def _maybe_report_stats(self) -> None:
+        now = time.monotonic()
+        if now < self._next_stats_check:
+            return
+        is_heartbeat_due = now >= self._last_stats_time + STATS_MAX_INTERVAL_S
+        if not (self._is_stats_dirty or is_heartbeat_due):
+            return
+        stats = self.engine_core.make_stats()
+        self._is_stats_dirty = False
+        self._next_stats_check = now + STATS_MIN_INTERVAL_S
+        if stats == self._last_stats and not is_heartbeat_due:
+            return
+        self._last_stats, self._last_stats_time = stats, now
+        report = EngineStatsReport(self.engine_index, stats, timestamp=time.time())
+        self._output_queue.put((Op.STATS, report))
+
+    # --- shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops the busy loop (or, if it never ran, the IO threads); thread-safe, idempotent."""
+        with self._lock:
+            self._is_shutdown_requested = True
+            is_running = self._is_running
+        if is_running:
+            self._input_queue.put((Op.WAKE,))
+        else:
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+        self._input_thread.stop()
+        self._input_thread.join(timeout=5)
+        # Clients attached after the loop's last turn still get their PUSH and the notice.
+        while not self._input_queue.empty():
+            item = self._input_queue.get_nowait()
+            if item[0] == Op.ATTACH:
+                self._output_queue.put(item)
+        # Attached clients learn at once that this engine is gone, fatal error or not.
+        self._output_queue.put((Op.DEAD,))
+        self._output_thread.join(timeout=5)
+        try:
+            self.engine_core.shutdown()
+        finally:
+            if self._input_thread.is_alive() or self._output_thread.is_alive():
+                logger.warning("engine %d IO threads did not stop", self.engine_index)
+            else:
+                self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
+            if self._ipc_dir is not None:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+# --- the engine process ---------------------------------------------------------------------
+
+_ReadyMessage = tuple[str, EngineEndpoint | None, str]
+
+
+def run_engine_core(
+    config: EngineConfig,
+    engine_index: int,
+    ready_pipe: multiprocessing.connection.Connection,
+    **kwargs: Any,
+) -> None:
+    """Process entry: builds an `EngineCoreProc`, reports readiness, serves until SIGTERM.
+
+    Sends ("ready", endpoint, "") or ("error", None, traceback) on `ready_pipe` (msgpack).
+    Exits 0 after SIGTERM/SIGINT, non-zero after a startup or fatal error.
+    """
+
+    def _exit_on_signal(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    try:
+        proc = EngineCoreProc(config, engine_index=engine_index, **kwargs)
+    except BaseException:
+        ready_pipe.send_bytes(msgspec.msgpack.encode(("error", None, traceback.format_exc())))
+        raise SystemExit(1) from None
+    ready_pipe.send_bytes(msgspec.msgpack.encode(("ready", proc.endpoint, "")))
+    ready_pipe.close()
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        raise
+    except BaseException:
+        raise SystemExit(1) from None
+
+
+def start_engine_process(
+    config: EngineConfig,
+    *,
+    engine_index: int = 0,
+    startup_timeout_s: float = 120.0,
+    **kwargs: Any,
+) -> tuple[BaseProcess, EngineEndpoint]:
+    """Starts an engine core in a new (spawned) process and waits until it serves.
+
+    Args:
+        config: the engine's configuration.
+        engine_index: the rank.
+        startup_timeout_s: how long model loading may take.
+        **kwargs: `EngineCoreProc` keyword arguments (host, transport, identity, stats_address).
+
+    Returns:
+        The process and the endpoint to attach clients to.
+
+    Raises:
+        RuntimeError: the engine failed to start (the message carries its traceback) or timed out.
+    """
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(
+        target=run_engine_core,
+        args=(config, engine_index, writer),
+        kwargs=kwargs,
+        name=f"EngineCore_{engine_index}",
+        daemon=True,
+    )
+    process.start()
+    writer.close()
+    try:
+        ready = multiprocessing.connection.wait([reader, process.sentinel], startup_timeout_s)
+        if reader in ready:
+            try:
+                raw = reader.recv_bytes()
+            except EOFError:
+                raw = None
+            if raw is not None:
+                status, endpoint, detail = msgspec.msgpack.decode(raw, type=_ReadyMessage)
+                if status == "ready" and endpoint is not None:
+                    return process, endpoint
+                raise RuntimeError(f"engine {engine_index} failed to start:\n{detail}")
+        if ready:
+            process.join(timeout=1)  # the sentinel fired: reap it for the exit code
+        reason = f"exited with code {process.exitcode}" if ready else "timed out"
+        raise RuntimeError(f"engine {engine_index} failed to start: it {reason}")
+    except BaseException:
+        stop_engine_process(process)
+        raise
+    finally:
+        reader.close()
+
+
+def stop_engine_process(process: BaseProcess, timeout_s: float = 5.0) -> None:
+    """SIGTERM (a clean exit), then SIGKILL if the process is still alive after `timeout_s`."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout_s)
+    if process.is_alive() and process.pid is not None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout_s)

@@ -1,0 +1,194 @@
+"""Failure contract over real processes: engines killed under clients, clients killed under engines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.core_client import AsyncMPClient, SyncMPClient
+from engine.core_proc import start_engine_process, stop_engine_process
+from engine.errors import EngineDeadError
+from tests.engine.core_proc_utils import (
+    ServedEngine,
+    request,
+    running_engine,
+    tiny_checkpoint,
+    tiny_config,
+)
+from tests.factories import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+DETECTION_LIMIT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_checkpoint(tmp_path_factory)
+
+
+async def _raises_dead(awaitable: Awaitable[Any]) -> EngineDeadError:
+    with pytest.raises(EngineDeadError) as info:
+        await asyncio.wait_for(awaitable, 10)
+    return info.value
+
+
+async def _drain_until_dead(client: AsyncMPClient) -> None:
+    while True:
+        await client.get_output_async()
+
+
+@pytest.mark.slow
+async def test_killed_engine_fails_every_pending_consumer_within_two_seconds(
+    checkpoint: str,
+) -> None:
+    client = AsyncMPClient.make_local(tiny_config(checkpoint), engine_index=0)
+    process = client.resources.processes[0]
+    try:
+        await client.add_request_async(request("streaming", max_tokens=200))
+        await asyncio.wait_for(client.get_output_async(), 10)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGSTOP)  # frozen: the utility call below stays pending
+        pending_call = asyncio.ensure_future(client.call_utility_async("get_stats"))
+        consumers = [asyncio.ensure_future(_drain_until_dead(client)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert not pending_call.done()
+        # The pending call: an asyncio future, under a call id from uuid1's high 64 bits.
+        [(call_id, future)] = client.utility_results.items()
+        assert isinstance(future, asyncio.Future) and 0 <= call_id < 2**64
+        killed_at = time.monotonic()
+        os.kill(process.pid, signal.SIGKILL)
+        errors = [await _raises_dead(f) for f in (pending_call, *consumers)]
+        assert time.monotonic() - killed_at < DETECTION_LIMIT_S
+        assert all(e.engine_index == 0 for e in errors)
+        with pytest.raises(EngineDeadError):
+            await client.add_request_async(request("after-death", max_tokens=2))
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_monitor(
+    checkpoint: str,
+) -> None:
+    process, endpoint = start_engine_process(tiny_config(checkpoint), engine_index=6)
+    try:
+        client = AsyncMPClient([endpoint])  # attached by address only: no process sentinel
+        assert client.resources.processes == {}
+        await client.add_request_async(request("orphaned", max_tokens=200))
+        await asyncio.wait_for(client.get_output_async(), 10)
+        assert process.pid is not None
+        killed_at = time.monotonic()
+        os.kill(process.pid, signal.SIGKILL)
+        error = await _raises_dead(_drain_until_dead(client))
+        assert error.engine_index == 6
+        assert time.monotonic() - killed_at < DETECTION_LIMIT_S
+        client.shutdown()
+    finally:
+        stop_engine_process(process)
+
+
+def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_use(
+    checkpoint: str,
+) -> None:
+    served = ServedEngine(tiny_config(checkpoint), engine_index=3)
+    client = AsyncMPClient([served.endpoint])  # built outside a loop: no task yet
+    try:
+        served.stop()  # the engine pushes ENGINE_CORE_DEAD to attached clients
+        time.sleep(0.3)
+        # Nothing consumed the notice: no task exists, no engine is marked dead yet.
+        assert client.resources.output_queue_task is None
+        assert client.resources.dead_engines == set()
+
+        async def first_use() -> EngineDeadError:
+            return await _raises_dead(client.get_output_async())
+
+        assert asyncio.run(first_use()).engine_index == 3
+    finally:
+        client.shutdown()
+
+
+async def test_fatal_engine_error_reaches_the_async_client(checkpoint: str) -> None:
+    served = ServedEngine(tiny_config(checkpoint), engine_index=1)
+    client = AsyncMPClient([served.endpoint])
+    try:
+
+        def broken_step() -> dict:
+            raise RuntimeError("step exploded")
+
+        served.proc.engine_core.step = broken_step  # type: ignore[method-assign]
+        await client.add_request_async(request("doomed", max_tokens=4))
+        error = await _raises_dead(client.get_output_async())
+        assert error.engine_index == 1
+        served.thread.join(timeout=5)
+        assert "step exploded" in str(served.errors[0])
+    finally:
+        client.shutdown()
+        served.stop()
+
+
+_VICTIM_CLIENT = """
+import sys, time
+from client.core_client import SyncMPClient
+from engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
+endpoint = EngineEndpoint(0, bytes.fromhex(sys.argv[1]), sys.argv[2])
+client = SyncMPClient([endpoint], client_index=7)
+params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+for i in range(2):
+    client.add_request(EngineCoreRequest(f"victim-{i}", [1, 2, 3], params))
+client.get_output(timeout=60)
+print("streaming", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_killed_client_has_its_requests_aborted_and_blocks_freed_within_five_seconds(
+    tmp_path: Path,
+) -> None:
+    # A long context, so the victims cannot finish on their own within the test.
+    path = make_tiny_checkpoint(tmp_path, "llama", max_position_embeddings=4096)
+    config = tiny_config(path, max_model_len=4096, num_gpu_blocks_override=1024)
+    with running_engine(config) as served:
+        observer = SyncMPClient([served.endpoint], client_index=1)
+        victim = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _VICTIM_CLIENT,
+                served.endpoint.identity.hex(),
+                served.endpoint.input_address,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert victim.stdout is not None
+            assert victim.stdout.readline().strip() == "streaming"
+            assert observer.call_utility("get_stats").num_running_reqs == 2
+            killed_at = time.monotonic()
+            victim.kill()
+            victim.wait()
+            while True:
+                stats = observer.call_utility("get_stats")
+                if stats.num_running_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks:
+                    break
+                assert time.monotonic() - killed_at < 5.0, "the dead client's requests still run"
+                time.sleep(0.05)
+            assert stats.num_generation_tokens_total < 2 * (4096 - 3)  # aborted, not finished
+            observer.add_request(request("bystander", max_tokens=3))
+            while not any(o.finished for o in observer.get_output(timeout=10).outputs):
+                pass
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+            observer.shutdown()

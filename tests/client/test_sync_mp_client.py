@@ -1,0 +1,162 @@
+"""SyncMPClient against real engines: requests, utilities, engine set changes, close, processes."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import weakref
+
+import pytest
+
+from client.core_client import EngineAttachError, EngineUtilityError, SyncMPClient
+from engine.errors import EngineDeadError
+from engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
+from tests.engine.core_proc_utils import (
+    NUM_BLOCKS,
+    ServedEngine,
+    request,
+    running_engine,
+    tiny_checkpoint,
+    tiny_config,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture
+def engine(checkpoint: str):
+    with running_engine(tiny_config(checkpoint)) as served:
+        yield served
+
+
+def collect(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[EngineCoreOutput]]:
+    seen: dict[str, list[EngineCoreOutput]] = {}
+    unfinished = set(request_ids)
+    while unfinished:
+        for output in client.get_output(timeout=10).outputs:
+            seen.setdefault(output.request_id, []).append(output)
+            if output.finished:
+                unfinished.discard(output.request_id)
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_requests_and_utilities(engine: ServedEngine, transport: str) -> None:
+    client = SyncMPClient([engine.endpoint], transport=transport)
+    try:
+        assert client.output_address.startswith(f"{transport}://")
+        assert client.engine_facts[0].num_kv_blocks == NUM_BLOCKS
+        for i in range(8):
+            client.add_request(request(f"s{i}", [i + 1, 7, 9], max_tokens=i + 1))
+        seen = collect(client, {f"s{i}" for i in range(8)})
+        for i in range(8):
+            assert sum(len(o.new_token_ids) for o in seen[f"s{i}"]) == i + 1
+            assert seen[f"s{i}"][-1].finish_reason is FinishReason.LENGTH
+        assert isinstance(client.call_utility("get_stats"), SchedulerStats)
+        assert client.collective_rpc("determine_num_blocks") == [NUM_BLOCKS]
+        with pytest.raises(EngineUtilityError, match="unknown utility method"):
+            client.call_utility("step")
+        assert client.utility_results == {} and client.utility_engines == {}
+        with pytest.raises(queue.Empty):
+            client.get_output(timeout=0.1)
+    finally:
+        client.shutdown()
+
+
+def test_abort_frees_the_blocks(engine: ServedEngine) -> None:
+    client = SyncMPClient([engine.endpoint])
+    try:
+        client.add_request(request("long", list(range(1, 60)), max_tokens=200))
+        assert not client.get_output(timeout=10).outputs[0].finished
+        client.abort_requests(["long"])
+        assert wait_until(lambda: client.call_utility("get_stats").num_free_blocks == NUM_BLOCKS, 3)
+    finally:
+        client.shutdown()
+
+
+def test_a_second_client_with_the_same_index_is_refused(engine: ServedEngine) -> None:
+    first = SyncMPClient([engine.endpoint], client_index=4)
+    try:
+        with pytest.raises(EngineAttachError, match="already attached"):
+            SyncMPClient([engine.endpoint], client_index=4)
+        assert first.call_utility("echo", "still served") == "still served"
+    finally:
+        first.shutdown()
+
+
+def test_engines_are_added_and_removed_at_run_time(checkpoint: str) -> None:
+    with (
+        running_engine(tiny_config(checkpoint), engine_index=0) as zero,
+        running_engine(tiny_config(checkpoint), engine_index=5) as five,
+    ):
+        client = SyncMPClient([zero.endpoint])
+        try:
+            facts = client.add_engine(five.endpoint)
+            assert facts.engine_index == 5 and set(client.engines) == {0, 5}
+            client.add_request(request("on-five", max_tokens=3), engine_index=5)
+            assert collect(client, {"on-five"})["on-five"][-1].finished
+            assert client.call_utility("echo", 5, engine_index=5) == 5
+            client.remove_engine(5)
+            with pytest.raises(EngineDeadError):
+                client.call_utility("echo", 5, engine_index=5)
+            with pytest.raises(ValueError):
+                client.remove_engine(5)
+            assert client.call_utility("echo", 0) == 0
+        finally:
+            client.shutdown()
+
+
+def test_engine_death_fails_waiters_and_later_calls(checkpoint: str) -> None:
+    served = ServedEngine(tiny_config(checkpoint), engine_index=2)
+    client = SyncMPClient([served.endpoint])
+    try:
+        client.add_request(request("cut", max_tokens=200))
+        client.get_output(timeout=10)
+        served.stop()
+        with pytest.raises(EngineDeadError) as info:
+            while True:
+                client.get_output(timeout=5)
+        assert info.value.engine_index == 2
+        with pytest.raises(EngineDeadError):
+            client.call_utility("echo", 1)
+        with pytest.raises(EngineDeadError):
+            client.get_output(timeout=1)  # the thread ended: the error stays
+    finally:
+        client.shutdown()
+        served.stop()
+
+
+def test_close_wakes_the_consumer_and_dropping_the_client_stops_its_thread(
+    engine: ServedEngine,
+) -> None:
+    client = SyncMPClient([engine.endpoint])
+    client.shutdown()
+    with pytest.raises(EngineDeadError):
+        client.get_output(timeout=5)
+    other = SyncMPClient([engine.endpoint])
+    thread = other.resources.output_thread
+    assert thread is not None and thread.is_alive()
+    ref = weakref.ref(other)
+    del other
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+@pytest.mark.slow
+def test_make_local_launches_the_engine_process_and_close_stops_it(checkpoint: str) -> None:
+    client = SyncMPClient.make_local(tiny_config(checkpoint), engine_index=1)
+    process = client.resources.processes[1]
+    try:
+        assert process.is_alive()
+        client.add_request(request("local", max_tokens=4))
+        assert collect(client, {"local"})["local"][-1].finished
+    finally:
+        client.shutdown()
+    assert not process.is_alive()
+    assert process.exitcode == 0  # SIGTERM is a clean exit
