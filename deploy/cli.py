@@ -1,8 +1,10 @@
-"""The `shoal` command: serve a cluster, show its status, stop it (and, later, a demo).
+"""The `shoal` command: serve a cluster, drive it, show its status, stop it, or run the demo.
 
     shoal serve --model PATH --data-parallel-size N [--namespace NAME] [engine flags]
+    shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
     shoal status [--namespace NAME] [--json]
     shoal stop [--namespace NAME] [--timeout S]
+    shoal demo [--data-parallel-size N]
 
 Every subcommand reaches Ray at --address (default "auto": RAY_ADDRESS or the local node).
 """
@@ -20,7 +22,7 @@ from typing import Any
 import ray
 
 from cluster.launch import ClusterHandle, ClusterNotFoundError, attach
-from deploy import serve
+from deploy import demo, generate, serve
 
 logger = logging.getLogger("shoal")
 
@@ -44,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=STOP_TIMEOUT_S,
         help="how long to wait for the serving process before tearing down directly",
     )
-    commands.add_parser("demo", help="(not available yet)")
+    generate.add_generate_args(
+        commands.add_parser("generate", help="stream prompts through a running cluster")
+    )
+    demo.add_demo_args(commands.add_parser("demo", help="a local two-rank cluster of SmolLM2"))
     return parser
 
 
@@ -54,9 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.configure_logging()
     if args.command == "serve":
         return serve.run(args)
+    if args.command == "generate":
+        return generate.run(args)
     if args.command == "demo":
-        print("shoal demo is not available yet", file=sys.stderr)
-        return 2
+        return demo.run(args)
     try:
         handle = _attach(args.address, args.namespace)
     except (ConnectionError, ClusterNotFoundError) as e:

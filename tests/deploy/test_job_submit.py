@@ -1,8 +1,6 @@
 """End to end on a real `ray start --head`: `ray job submit -- python -m deploy.serve ...`,
+a separate driver process (`shoal generate`) attaches by namespace and completes requests,
 `shoal status` lists both ranks, `shoal stop` leaves no actor and no placement group.
-
-`served_cluster` yields a running served cluster (namespace, Ray addresses, job id), so a step
-that attaches a separate driver by namespace can be added between serve and stop.
 """
 
 from __future__ import annotations
@@ -152,6 +150,18 @@ def test_job_submit_serve_status_stop(served_cluster: ServedCluster) -> None:
         a.name for a in list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")])
     }
     assert {"shoal-registry", "shoal-coordinator", "shoal-engine-0", "shoal-engine-1"} <= live
+
+    # A separate driver process attaches by namespace and completes requests on both ranks.
+    prompts = [f"driver prompt {i}" for i in range(8)]
+    driver = _shoal(
+        head, "generate", "--namespace", namespace, "--host", "127.0.0.1",
+        "--max-tokens", "6", "--json", *prompts,
+    )  # fmt: skip
+    assert driver.returncode == 0, driver.stdout + driver.stderr
+    answers = json.loads(driver.stdout)
+    assert [a["prompt"] for a in answers] == prompts
+    assert all(len(a["token_ids"]) > 0 and a["finish_reason"] for a in answers)
+    assert {a["rank"] for a in answers} == {0, 1}
 
     table = _shoal(head, "status", "--namespace", namespace)
     assert table.returncode == 0, table.stderr

@@ -1,0 +1,238 @@
+"""`AsyncLLM`: streaming generation for asyncio programs, from one engine or a whole cluster.
+
+`AsyncLLM(model=...)` starts one engine core in a child process (no Ray); `AsyncLLM.connect`
+attaches to a running cluster by namespace. Either way one background task reads engine
+outputs, detokenizes them and hands each request's outputs to its `generate` stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+from client.async_mp_client import AsyncMPClient
+from client.output_processor import OutputProcessor, RequestOutputCollector
+from client.outputs import RequestOutput
+from client.prompts import PromptType, tokenize_prompt
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, RequestError
+from engine.protocol import EngineCoreRequest, SamplingParams, SchedulerStats
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from client.cluster_link import ClusterLink
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Async generation with per-request streams.
+
+    Args:
+        model: local path to a Hugging Face checkpoint directory or a GGUF file.
+        **engine_kwargs: engine settings named like vLLM's (see `LLM`).
+
+    Raises:
+        RuntimeError: the engine process failed to start (the message carries its error).
+    """
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        config = EngineConfig.from_kwargs(model, **engine_kwargs)
+        tokenizer = load_tokenizer(config.model.tokenizer or model)
+        self._setup(config, tokenizer, AsyncMPClient.make_local(config), None)
+
+    @classmethod
+    async def connect(
+        cls,
+        namespace: str = "shoal",
+        *,
+        address: str = "auto",
+        host: str | None = None,
+        name: str | None = None,
+        policy: str = "least_loaded",
+    ) -> AsyncLLM:
+        """Attaches to a running shoal cluster (started by `shoal serve` or `cluster.launch`).
+
+        Args:
+            namespace: the cluster's Ray namespace.
+            address: Ray address for `ray.init` when Ray is not initialized yet.
+            host: this machine's address as the engines should reach it; default: Ray's node IP.
+            name: how this client is listed by `shoal status`.
+            policy: "least_loaded", "queue_length" or "round_robin".
+
+        Raises:
+            ClusterNotFoundError: no cluster runs in the namespace.
+        """
+        from client.cluster_link import ClusterLink
+
+        link = await ClusterLink.attach(
+            namespace, address=address, host=host, name=name, policy=policy
+        )
+        config = link.membership.config
+        tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self = cls.__new__(cls)
+        self._setup(config, tokenizer, link.client, link)
+        return self
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        client: AsyncMPClient,
+        link: ClusterLink | None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine_core = client
+        self.output_processor = OutputProcessor(tokenizer)
+        self._link = link
+        self._output_handler: asyncio.Task[None] | None = None
+        self._dead_error: EngineDeadError | None = None
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        data_parallel_rank: int | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams one request's outputs until it finishes.
+
+        Cancelling the consumer (or closing the generator) aborts the request in the engine.
+
+        Args:
+            prompt: text, token ids, or a vLLM prompt dict.
+            sampling_params: default `SamplingParams()`.
+            request_id: default a fresh uuid; must be unique among live requests.
+            data_parallel_rank: pin the request to one rank (cluster mode).
+
+        Raises:
+            RequestError: the engine rejected the request (the message says why).
+            EngineDeadError: the engine serving it died.
+        """
+        if self._dead_error is not None:
+            raise self._dead_error
+        params = sampling_params or SamplingParams()
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        request = EngineCoreRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.time(),
+            data_parallel_rank=data_parallel_rank,
+        )
+        collector = RequestOutputCollector(params.output_kind)
+        state = self.output_processor.add_request(request, text, collector)
+        self._ensure_output_handler()
+        try:
+            await self.engine_core.add_request_async(request)
+        except BaseException:
+            self.output_processor.request_states.pop(request.request_id, None)
+            raise
+        state.engine_index = self._engine_index_of(request.request_id)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                if output.error is not None:
+                    raise RequestError(output.error)
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                await self.abort(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request here and in the engine that serves it."""
+        self.output_processor.abort_requests([request_id])
+        if self._dead_error is None and not self.engine_core.resources.is_closed:
+            with contextlib.suppress(EngineDeadError):  # nothing left to abort there
+                await self.engine_core.abort_requests_async([request_id])
+
+    def _engine_index_of(self, request_id: str) -> int | None:
+        rank_of = getattr(self.engine_core, "rank_of", None)
+        if rank_of is not None:
+            rank: int | None = rank_of(request_id)
+            return rank
+        return next(iter(self.engine_core.engines), None)
+
+    # --- the output handler -------------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.create_task(
+                self._run_output_handler(), name="AsyncLLMOutputHandler"
+            )
+
+    async def _run_output_handler(self) -> None:
+        client = self.engine_core
+        processor = self.output_processor
+        while True:
+            try:
+                outputs = await client.get_output_async()
+            except EngineDeadError as dead:
+                alive = dead.engine_index is not None and not client.resources.all_engines_dead()
+                ids = (
+                    processor.request_ids_on_engine(dead.engine_index)
+                    if alive and dead.engine_index is not None
+                    else list(processor.request_states)
+                )
+                processor.fail_requests(ids, dead)
+                if not alive:
+                    self._dead_error = dead
+                    return
+                continue
+            processed = processor.process_outputs(outputs.outputs, outputs.engine_index)
+            if processed.reqs_to_abort:
+                # A dead engine's death is reported through this loop anyway.
+                with contextlib.suppress(EngineDeadError):
+                    await client.abort_requests_async(processed.reqs_to_abort)
+
+    # --- utilities ------------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    async def get_stats(self) -> SchedulerStats:
+        """The serving engine's load (the first rank's, in cluster mode)."""
+        stats: SchedulerStats = await self.engine_core.call_utility_async("get_stats")
+        return stats
+
+    async def reset_prefix_cache(self) -> bool:
+        result: bool = await self.engine_core.call_utility_async("reset_prefix_cache")
+        return result
+
+    async def shutdown(self) -> None:
+        """Ends every open stream, stops the output handler, detaches from the engines (and
+        from the cluster registry)."""
+        pending = list(self.output_processor.request_states)
+        if pending:
+            self.output_processor.fail_requests(pending, EngineDeadError("the client shut down"))
+            with contextlib.suppress(EngineDeadError):
+                await self.engine_core.abort_requests_async(pending)
+        self._dead_error = EngineDeadError("the client shut down")
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+            await asyncio.gather(self._output_handler, return_exceptions=True)
+        if self._link is not None:
+            await self._link.close()
+        self.engine_core.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()

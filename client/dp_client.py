@@ -1,0 +1,243 @@
+"""Data-parallel clients: `DPAsyncMPClient` (many ranks + stats) and `DPLBAsyncMPClient` (routing).
+
+`DPAsyncMPClient` subscribes to the coordinator's stats (`_ensure_stats_update_task`) and keeps
+`lb_engines`, the ranks that may take new requests. `DPLBAsyncMPClient` sends each request to the
+rank its `LoadBalancePolicy` picks, remembers request → rank so aborts reach the owner, and
+feeds the policy from the outputs it sees (`process_engine_outputs`). Neither knows Ray: the
+cluster link tells them when ranks come and go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from client.async_mp_client import AsyncMPClient
+from client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
+from engine.errors import EngineDeadError, RequestError
+from engine.protocol import (
+    DPStatsSnapshot,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineEndpoint,
+    EngineFacts,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DPAsyncMPClient(AsyncMPClient):
+    """An `AsyncMPClient` over several engine ranks, with the coordinator's stats stream.
+
+    Args:
+        endpoints: the ranks to attach to now.
+        stats_address: the coordinator's XPUB address; None: no stats subscription.
+        **kwargs: as for `AsyncMPClient`.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[EngineEndpoint],
+        *,
+        stats_address: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.current_wave = 0
+        self.stats_address = stats_address
+        # Elastic-EP events seen on EEP_NOTIFICATION_CALL_ID, latest last.
+        self.eep_scaling_cache: list[Sequence[Any]] = []
+        super().__init__(endpoints, **kwargs)
+        # Ranks that may take new requests: attached and not known dead.
+        self.lb_engines: list[int] = sorted(self.engines)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started lazily, with the output task
+        else:
+            self._ensure_stats_update_task()
+
+    def _ensure_stats_update_task(self) -> None:
+        """Starts the stats subscription once; the task holds the client only weakly."""
+        resources = self.resources
+        if resources.stats_update_task is not None or self.stats_address is None:
+            return
+        socket = self.ctx.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self.stats_address)
+        resources.stats_socket = socket
+        decoder = msgspec.msgpack.Decoder(DPStatsSnapshot)
+        _self_ref = weakref.ref(self)
+
+        async def run_stats_updates() -> None:
+            while True:
+                frame = await socket.recv()
+                try:
+                    snapshot = decoder.decode(frame)
+                except msgspec.DecodeError as e:
+                    logger.warning("dropping a malformed stats snapshot: %s", e)
+                    continue
+                _self = _self_ref()
+                if _self is None:
+                    return
+                _self._on_stats_snapshot(snapshot)
+                del _self  # hold the client only while handling one snapshot
+
+        resources.stats_update_task = asyncio.create_task(
+            run_stats_updates(), name="DPStatsUpdateTask"
+        )
+
+    def _ensure_output_queue_task(self) -> None:
+        super()._ensure_output_queue_task()
+        self._ensure_stats_update_task()
+
+    def _on_stats_snapshot(self, snapshot: DPStatsSnapshot) -> None:
+        self.current_wave = snapshot.current_wave
+        for report in snapshot.reports:
+            self._on_rank_stats(report.engine_index, report.stats, report.timestamp)
+
+    def _on_rank_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
+        """Hook for subclasses: one rank's load as measured at `timestamp`."""
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        try:
+            return await super().get_output_async()
+        except EngineDeadError as dead:
+            if dead.engine_index is not None:
+                self._stop_routing_to(dead.engine_index)
+            raise
+
+    async def add_engine_async(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        facts = await super().add_engine_async(endpoint, process)
+        if endpoint.engine_index not in self.lb_engines:
+            self.lb_engines = sorted([*self.lb_engines, endpoint.engine_index])
+        return facts
+
+    def remove_engine(self, engine_index: int) -> None:
+        self._stop_routing_to(engine_index)
+        super().remove_engine(engine_index)
+
+    def _stop_routing_to(self, engine_index: int) -> None:
+        """Takes a rank out of `lb_engines` (it died, leaves, or was removed)."""
+        self.lb_engines = [r for r in self.lb_engines if r != engine_index]
+
+    async def eep_process_engine_core_notification(self, notification: Sequence[Any]) -> None:
+        """Records an elastic-EP event `(kind, payload)` sent by an engine."""
+        logger.info("elastic EP notification: %s", notification)
+        self.eep_scaling_cache.append(notification)
+
+
+class DPLBAsyncMPClient(DPAsyncMPClient):
+    """Routes each request to the least-loaded rank (the policy's docstring is the algorithm).
+
+    Args:
+        endpoints, stats_address, **kwargs: as for `DPAsyncMPClient`.
+        policy: the load-balancing policy; default `LeastLoadedPolicy()`.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[EngineEndpoint],
+        *,
+        policy: LoadBalancePolicy | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.policy = policy or LeastLoadedPolicy()
+        super().__init__(endpoints, **kwargs)
+
+    def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
+        """The rank for a new request: its explicit `data_parallel_rank`, else the policy's pick.
+
+        Raises:
+            RequestError: the requested rank is not serving.
+            EngineDeadError: no rank is serving.
+        """
+        pinned = request.data_parallel_rank
+        if pinned is not None:
+            if pinned not in self.lb_engines:
+                raise RequestError(
+                    f"data_parallel_rank {pinned} is not serving (serving: {self.lb_engines})"
+                )
+            return pinned
+        routable = [r for r in self.lb_engines if r not in self.resources.dead_engines]
+        if not routable:
+            raise EngineDeadError("no engine rank is serving")
+        return self.policy.choose(routable)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank serving an in-flight request of this client."""
+        return self.policy.rank_of(request_id)
+
+    async def add_request_async(
+        self, request: EngineCoreRequest, engine: bytes | None = None
+    ) -> None:
+        rank = self.get_core_engine_for_request(request)
+        self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids), time.time())
+        try:
+            await super().add_request_async(request, self.engines[rank].identity)
+        except BaseException:
+            self.policy.on_aborted([request.request_id])
+            raise
+
+    async def abort_requests_async(
+        self, request_ids: list[str], engine: bytes | None = None
+    ) -> None:
+        """Sends each abort to the rank that owns the request."""
+        by_rank: dict[int, list[str]] = defaultdict(list)
+        for request_id in request_ids:
+            rank = self.policy.rank_of(request_id)
+            if rank is not None:
+                by_rank[rank].append(request_id)
+        self.policy.on_aborted(request_ids)
+        for rank, ids in by_rank.items():
+            if rank in self.engines and rank not in self.resources.dead_engines:
+                await super().abort_requests_async(ids, self.engines[rank].identity)
+
+    async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Keeps the in-flight map and the policy's view of the sending rank current."""
+        for output in outputs.outputs:
+            self.policy.on_output(output.request_id, output.finished)
+        if outputs.scheduler_stats is not None:
+            self.policy.on_stats(outputs.engine_index, outputs.scheduler_stats, outputs.timestamp)
+
+    def _on_rank_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
+        self.policy.on_stats(rank, stats, timestamp)
+
+    def _stop_routing_to(self, engine_index: int) -> None:
+        super()._stop_routing_to(engine_index)
+        self.policy.forget_rank(engine_index)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Calls a utility method on every serving rank; returns the first rank's result."""
+        results = await self.call_utility_all_async(method, *args)
+        return results[min(results)]
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> dict[int, Any]:
+        """Calls a utility method on every serving rank; results by rank.
+
+        Raises:
+            EngineDeadError: no rank is serving.
+        """
+        ranks = [r for r in self.lb_engines if r not in self.resources.dead_engines]
+        if not ranks:
+            raise EngineDeadError("no engine rank is serving")
+        results = await asyncio.gather(
+            *(
+                self._call_utility_async(method, *args, engine=self.engines[r].identity)
+                for r in ranks
+            )
+        )
+        return dict(zip(ranks, results, strict=True))

@@ -1,0 +1,36 @@
+"""Prompt forms users pass (text, token ids, vLLM prompt dicts) and their tokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from engine.tokenizer import Tokenizer
+
+# Text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType: TypeAlias = "str | list[int] | dict[str, Any]"
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """Returns (text if known, token ids) for one prompt.
+
+    Raises:
+        KeyError: for a dict prompt with neither "prompt" nor "prompt_token_ids".
+    """
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+    return None, list(prompt)
+
+
+def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt or many → a list of prompts (a flat list of ints is one prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return items

@@ -1,0 +1,228 @@
+"""`EngineCore`: one engine rank in-process — validate, schedule, run the model, emit outputs.
+
+It knows nothing of sockets, processes or Ray: `EngineCoreProc` wraps it with ZMQ IO threads,
+and `LLM` drives it directly. Outputs are grouped by the client index of each request so that a
+transport can deliver them to the client that owns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.loader import load_model_arch, load_weights
+from engine.model_arch import ModelArch
+from engine.model_runner import ModelRunner
+from engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFacts,
+    FinishReason,
+    SchedulerStats,
+)
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+# vLLM's default cap on returned logprobs; computing more costs a top-k over the vocabulary.
+MAX_LOGPROBS = 20
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    """The context length to serve: the user's limit, never past what the model supports.
+
+    Raises:
+        ValueError: if the requested length exceeds the model's or is not positive.
+    """
+    limit = arch.max_position_embeddings
+    if requested is None:
+        return limit
+    if not 0 < requested <= limit:
+        raise ValueError(f"max_model_len={requested} is outside (0, {limit}] for this model")
+    return requested
+
+
+class EngineCore:
+    """Scheduler + model runner for one rank.
+
+    Args:
+        config: the engine's configuration.
+        engine_index: this rank's index, stamped on every `EngineCoreOutputs`.
+
+    Raises:
+        ModelLoadError: when the checkpoint cannot be loaded.
+        ValueError: for an impossible configuration (context length, KV budget).
+    """
+
+    def __init__(self, config: EngineConfig, *, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        path = config.model.model
+        self.arch = load_model_arch(path)
+        self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
+        self.model_runner = ModelRunner(
+            config.model,
+            config.cache,
+            config.scheduler,
+            self.arch,
+            max_model_len=self.max_model_len,
+        )
+        self.model_runner.load_model(load_weights(path))
+        self.num_kv_blocks = self.model_runner.determine_num_blocks()
+        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.block_size = config.cache.block_size
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+        )
+        self.eos_token_ids = self.arch.eos_token_ids
+        # Error outputs of rejected requests, delivered with the next step.
+        self._rejected: dict[int, list[EngineCoreOutput]] = {}
+        logger.info(
+            "engine %d ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            engine_index,
+            self.arch.architecture,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request, or an ERROR output for it if it is invalid. Never raises for one."""
+        error = self._validate(request)
+        if error is not None:
+            logger.info("rejected request %r: %s", request.request_id, error)
+            self._reject(request.client_index, request.request_id, error)
+            return
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.eos_token_ids))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def abort_client_requests(self, client_index: int) -> list[str]:
+        """Aborts every live request of one client (it detached or died)."""
+        request_ids = self.scheduler.request_ids_of_client(client_index)
+        self.scheduler.abort_requests(request_ids)
+        self._rejected.pop(client_index, None)
+        return request_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Runs one scheduling step and returns each client's outputs of it.
+
+        Returns:
+            client index → `EngineCoreOutputs` carrying that client's outputs and this rank's
+            scheduler stats; clients with nothing new are absent.
+        """
+        per_client, self._rejected = self._rejected, {}
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            runner_output = (
+                self.model_runner.execute_model(scheduler_output)
+                if not scheduler_output.is_empty
+                else ModelRunnerOutput()
+            )
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            for client_index, outputs in updates.items():
+                per_client.setdefault(client_index, []).extend(outputs)
+        if not per_client:
+            return {}
+        stats = self.scheduler.make_stats()
+        now = time.time()
+        return {
+            client_index: EngineCoreOutputs(
+                engine_index=self.engine_index,
+                outputs=outputs,
+                scheduler_stats=stats,
+                timestamp=now,
+            )
+            for client_index, outputs in per_client.items()
+        }
+
+    # --- utility methods (callable by name through EngineCoreProc's allow-list) ---------------
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def echo(self, value: Any) -> Any:
+        return value
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
+        """Runs a public model-runner method; one result per worker (one worker per rank here).
+
+        Raises:
+            AttributeError: if the runner has no such public method.
+        """
+        if method.startswith("_") or not callable(getattr(self.model_runner, method, None)):
+            raise AttributeError(f"model runner has no public method {method!r}")
+        return [getattr(self.model_runner, method)(*args)]
+
+    def facts(self, identity: bytes) -> EngineFacts:
+        return EngineFacts(
+            engine_index=self.engine_index,
+            identity=identity,
+            model=self.config.model.model,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            vocab_size=self.arch.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            data_parallel_size=self.config.parallel.data_parallel_size,
+        )
+
+    def shutdown(self) -> None:
+        self.scheduler.abort_requests(self.scheduler.all_request_ids())
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _validate(self, request: EngineCoreRequest) -> str | None:
+        if not request.request_id:
+            return "request_id must not be empty"
+        if self.scheduler.get_request(request.request_id) is not None:
+            return f"request_id {request.request_id!r} is already in use"
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"the prompt has {len(prompt)} tokens, but the maximum context length is "
+                f"{self.max_model_len} and at least one token must be generated"
+            )
+        vocab_size = self.arch.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            return f"prompt token ids must be in [0, {vocab_size})"
+        params = request.sampling_params
+        try:
+            params.__post_init__()  # fields may have been changed after construction
+        except ValueError as e:
+            return str(e)
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            return f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}"
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            return f"stop_token_ids must be in [0, {vocab_size})"
+        return None
+
+    def _reject(self, client_index: int, request_id: str, message: str) -> None:
+        output = EngineCoreOutput(
+            request_id=request_id, finish_reason=FinishReason.ERROR, error_message=message
+        )
+        self._rejected.setdefault(client_index, []).append(output)

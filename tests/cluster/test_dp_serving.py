@@ -1,0 +1,179 @@
+"""Drivers on a real two-rank cluster: routing, aborts, concurrent drivers, an engine killed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import ray
+
+from actors.registry import RankState
+from client import AsyncLLM, SamplingParams
+from client.cluster_link import ClusterLink
+from client.dp_client import DPLBAsyncMPClient
+from client.outputs import RequestOutput
+from cluster.launch import ClusterHandle, launch
+from cluster.placement import RankResources
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.protocol import EngineCoreRequest
+from tests.factories import make_tiny_checkpoint
+from tests.ray_utils import unique_namespace
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+ENGINE_KWARGS: dict[str, Any] = {
+    "num_gpu_blocks_override": 128,
+    "max_model_len": 512,
+    "max_num_batched_tokens": 64,
+}
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    config = EngineConfig.from_kwargs(checkpoint, data_parallel_size=2, **ENGINE_KWARGS)
+    handle = launch(
+        config,
+        namespace=unique_namespace("dp"),
+        resources=RankResources(num_cpus=1),
+        host="127.0.0.1",
+    )
+    yield handle
+    handle.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def llm(cluster: ClusterHandle) -> AsyncIterator[AsyncLLM]:
+    engine = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="test driver")
+    yield engine
+    await engine.shutdown()
+
+
+def _client(llm: AsyncLLM) -> DPLBAsyncMPClient:
+    assert isinstance(llm.engine_core, DPLBAsyncMPClient)
+    return llm.engine_core
+
+
+async def _final(llm: AsyncLLM, prompt: Any, params: SamplingParams, **kw: Any) -> RequestOutput:
+    final = None
+    async for output in llm.generate(prompt, params, **kw):
+        final = output
+    assert final is not None
+    return final
+
+
+async def test_new_requests_avoid_the_rank_busy_with_a_long_request(llm: AsyncLLM) -> None:
+    long_prompt = {"prompt_token_ids": list(range(1, 401))}
+    long_task = asyncio.create_task(_final(llm, long_prompt, _params(200)))
+    await asyncio.sleep(0)  # let it be routed first
+    busy = _client(llm).rank_of(next(iter(_client(llm).policy.in_flight)))
+    shorts = await asyncio.gather(*(_final(llm, f"short {i}", _params(4)) for i in range(4)))
+    assert {s.data_parallel_rank for s in shorts} == {1 - busy}  # type: ignore[operator]
+    long_output = await long_task
+    assert long_output.data_parallel_rank == busy
+    assert _client(llm).policy.in_flight == {}
+
+
+async def test_many_short_requests_use_every_rank(llm: AsyncLLM) -> None:
+    outputs = await asyncio.gather(*(_final(llm, f"q {i}", _params(6)) for i in range(40)))
+    shares = Counter(o.data_parallel_rank for o in outputs)
+    assert set(shares) == {0, 1} and min(shares.values()) >= 10, shares
+    assert _client(llm).policy.in_flight == {}
+
+
+async def test_abort_reaches_the_owning_rank(llm: AsyncLLM) -> None:
+    stream = llm.generate("abort me", _params(400), request_id="to-abort")
+    first = await stream.__anext__()
+    owner = first.data_parallel_rank
+    await stream.aclose()
+    deadline = time.monotonic() + 5
+    while True:
+        stats = await _client(llm).call_utility_all_async("get_stats")
+        if stats[owner].num_running_reqs == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.02)
+    assert stats[owner].num_free_blocks == stats[owner].num_total_blocks
+    assert _client(llm).policy.in_flight == {}
+
+
+async def test_pinned_rank_is_honoured(llm: AsyncLLM) -> None:
+    for rank in (0, 1, 1, 0):
+        output = await _final(llm, "pinned", _params(3), data_parallel_rank=rank)
+        assert output.data_parallel_rank == rank
+
+
+async def test_two_drivers_only_see_their_own_outputs(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    other = await ClusterLink.attach(cluster.namespace, host="127.0.0.1", name="raw driver")
+    client = other.client
+    assert client.client_index != _client(llm).client_index
+    own_ids = {f"raw-{i}" for i in range(10)}
+    for request_id in sorted(own_ids):
+        await client.add_request_async(EngineCoreRequest(request_id, [7, 8, 9], _params(5)))
+    mine = asyncio.gather(*(_final(llm, f"mine {i}", _params(5)) for i in range(10)))
+    seen: Counter[str] = Counter()
+    finished: set[str] = set()
+    while finished != own_ids:
+        outputs = await asyncio.wait_for(client.get_output_async(), timeout=30)
+        for output in outputs.outputs:
+            assert output.request_id in own_ids, output.request_id
+            seen[output.request_id] += len(output.new_token_ids)
+            if output.finished:
+                finished.add(output.request_id)
+    assert all(n == 5 for n in seen.values())
+    assert all(len(o.outputs[0].token_ids) == 5 for o in await mine)
+    await other.close()
+    client.shutdown()
+
+
+async def test_killed_rank_fails_its_requests_and_comes_back(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    victim, survivor = 0, 1
+    doomed = [
+        asyncio.create_task(_final(llm, f"doomed {i}", _params(400), data_parallel_rank=victim))
+        for i in range(3)
+    ]
+    while len(_client(llm).policy.in_flight) < 3:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # decoding on the victim
+    old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
+    ray.kill(cluster.engine(victim), no_restart=False)
+    killed_at = time.monotonic()
+    results = await asyncio.gather(*doomed, return_exceptions=True)
+    assert time.monotonic() - killed_at < 2.0
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+
+    # The other rank keeps serving meanwhile.
+    alive = await _final(llm, "still here", _params(4))
+    assert alive.data_parallel_rank == survivor
+
+    # Ray restarts the victim; it re-registers and this driver attaches it again.
+    deadline = time.monotonic() + 90
+    while True:
+        membership = cluster.membership()
+        info = membership.ranks[victim]
+        if (
+            info.state == RankState.READY
+            and info.endpoint is not None
+            and info.endpoint.identity != old_identity
+            and victim in _client(llm).lb_engines
+        ):
+            break
+        assert time.monotonic() < deadline, (info, _client(llm).lb_engines)
+        await asyncio.sleep(0.2)
+    back = await _final(llm, "welcome back", _params(4), data_parallel_rank=victim)
+    assert back.data_parallel_rank == victim
+    assert len(back.outputs[0].token_ids) == 4
