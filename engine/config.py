@@ -49,7 +49,9 @@ class CacheConfig:
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_help("KV cache budget in bytes; default: 1 GiB on CPU, a share of free GPU memory"),
+        metadata=_help(
+            "KV cache budget in bytes; default: 1 GiB on CPU, a share of free GPU memory"
+        ),
     )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_help("fraction of GPU memory the engine may use")
@@ -145,9 +147,13 @@ class EngineConfig:
         flat.pop("model")
         return flat
 
-    def with_rank(self, data_parallel_rank: int, data_parallel_size: int | None = None) -> EngineConfig:
+    def with_rank(
+        self, data_parallel_rank: int, data_parallel_size: int | None = None
+    ) -> EngineConfig:
         """The same config for another rank (and optionally another DP size)."""
-        size = self.parallel.data_parallel_size if data_parallel_size is None else data_parallel_size
+        size = (
+            self.parallel.data_parallel_size if data_parallel_size is None else data_parallel_size
+        )
         parallel = dataclasses.replace(
             self.parallel, data_parallel_rank=data_parallel_rank, data_parallel_size=size
         )
