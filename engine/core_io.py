@@ -52,7 +52,7 @@ class Op:
     """Tags of the tuples that travel busy-loop ← input thread and busy-loop → output thread."""
 
     ADD = 0  # (ADD, EngineCoreRequest)
-    ABORT = 1  # (ABORT, request_ids)
+    ABORT = 1  # (ABORT, request_ids, client_index)
     UTILITY = 2  # (UTILITY, client_index, call_id, method, args)
     ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply)
     DETACH = 4  # (DETACH, client_index)
@@ -199,7 +199,7 @@ class InputThread(threading.Thread):
         elif request_type is EngineCoreRequestType.ADD:
             self._on_add(connection, payload)
         elif request_type is EngineCoreRequestType.ABORT:
-            self._on_abort(payload)
+            self._on_abort(connection, payload)
         elif request_type is EngineCoreRequestType.UTILITY:
             self._on_utility(connection, payload)
         elif request_type is EngineCoreRequestType.GOODBYE:
@@ -231,13 +231,14 @@ class InputThread(threading.Thread):
         request.client_index = connection.client_index  # never trust the sender's index
         self._work_queue.put((Op.ADD, request))
 
-    def _on_abort(self, payload: list[zmq.Frame]) -> None:
+    def _on_abort(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
         try:
             request_ids = self._abort_decoder.decode(payload)
         except Exception as e:
             logger.warning("engine %d dropped a malformed ABORT: %s", self._engine_index, e)
             return
-        self._work_queue.put((Op.ABORT, request_ids))
+        # Scoped to the sender: a client can only abort its own requests.
+        self._work_queue.put((Op.ABORT, request_ids, connection.client_index))
 
     def _on_utility(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
         try:

@@ -207,7 +207,7 @@ class EngineCoreProc:
         if op == Op.ADD:
             self.engine_core.add_request(item[1])
         elif op == Op.ABORT:
-            self.engine_core.abort_requests(item[1])
+            self.engine_core.abort_requests(item[1], client_index=item[2])
         elif op == Op.UTILITY:
             self._call_utility(*item[1:])
         elif op == Op.DETACH:

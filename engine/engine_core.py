@@ -105,7 +105,10 @@ class EngineCore:
             return
         self.scheduler.add_request(Request.from_engine_core_request(request, self.eos_token_ids))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], *, client_index: int | None = None) -> None:
+        """Aborts requests in any state; with `client_index`, only that client's own."""
+        if client_index is not None:
+            request_ids = [r for r in request_ids if self._is_owned_by(r, client_index)]
         self.scheduler.abort_requests(request_ids)
 
     def abort_client_requests(self, client_index: int) -> list[str]:
@@ -220,6 +223,10 @@ class EngineCore:
         if any(t >= vocab_size for t in params.stop_token_ids):
             return f"stop_token_ids must be in [0, {vocab_size})"
         return None
+
+    def _is_owned_by(self, request_id: str, client_index: int) -> bool:
+        request = self.scheduler.get_request(request_id)
+        return request is not None and request.client_index == client_index
 
     def _reject(self, client_index: int, request_id: str, message: str) -> None:
         output = EngineCoreOutput(

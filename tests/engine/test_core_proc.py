@@ -288,6 +288,20 @@ def test_abort_mid_stream_frees_the_blocks(peer: RawPeer) -> None:
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0
 
 
+def test_a_client_cannot_abort_another_clients_request(engine: ServedEngine, peer: RawPeer) -> None:
+    other = RawPeer(engine.endpoint, client_index=1)
+    try:
+        other.hello()
+        peer.send_typed(ADD, request("mine", list(range(1, 20)), max_tokens=30))
+        assert peer.recv().outputs[0].request_id == "mine"
+        other.send_typed(EngineCoreRequestType.ABORT, ["mine"])
+        outputs = peer.collect_until_finished({"mine"})
+        assert sum(len(o.new_token_ids) for o in outputs["mine"]) == 29
+        assert outputs["mine"][-1].finish_reason == FinishReason.LENGTH
+    finally:
+        other.close()
+
+
 @pytest.mark.slow
 def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idle(
     checkpoint: str,
