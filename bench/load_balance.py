@@ -50,23 +50,25 @@ class TraceEntry:
 
 
 def record_trace(
-    seed: int = 7, num_requests: int = 240, duration_s: float = 24.0
+    seed: int = 7, num_requests: int = 300, duration_s: float = 20.0
 ) -> list[TraceEntry]:
-    """Poisson background traffic plus bursts; Pareto prompts, log-normal outputs."""
+    """Poisson background traffic plus four bursts; Pareto prompts, log-normal outputs."""
     rng = random.Random(seed)
+    num_background = int(num_requests * 0.6)
     times: list[float] = []
     t = 0.0
-    while len(times) < num_requests * 0.6:
-        t += rng.expovariate(num_requests * 0.6 / duration_s)
+    while len(times) < num_background:
+        t += rng.expovariate(num_background / duration_s)
         times.append(t)
-    for burst_at in (3.0, 9.5, 15.0, 20.0):
-        times.extend(burst_at + rng.uniform(0, 0.15) for _ in range(int(num_requests * 0.1)))
+    burst_size = (num_requests - num_background) // 4
+    for burst_at in (3.0, 8.0, 12.5, 17.0):
+        times.extend(burst_at + rng.uniform(0, 0.2) for _ in range(burst_size))
     times.sort()
     return [
         TraceEntry(
             at=round(at, 4),
-            prompt_tokens=int(min(1200, 8 * rng.paretovariate(1.1))),
-            output_tokens=int(min(256, max(2, rng.lognormvariate(2.8, 0.9)))),
+            prompt_tokens=int(min(1800, 24 * rng.paretovariate(1.2))),
+            output_tokens=int(min(256, max(4, rng.lognormvariate(3.2, 0.9)))),
         )
         for at in times
     ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
@@ -105,10 +104,12 @@ class DPAsyncMPClient(AsyncMPClient):
     def _on_stats_snapshot(self, snapshot: DPStatsSnapshot) -> None:
         self.current_wave = snapshot.current_wave
         for report in snapshot.reports:
-            self._on_rank_stats(report.engine_index, report.stats, report.timestamp)
+            seen = report.requests_seen.get(self.client_index, 0)
+            self._on_rank_stats(report.engine_index, report.stats, seen)
 
-    def _on_rank_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
-        """Hook for subclasses: one rank's load as measured at `timestamp`."""
+    def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
+        """Hook for subclasses: one rank's load, measured after it had taken in
+        `requests_seen` of this client's requests."""
 
     async def get_output_async(self) -> EngineCoreOutputs:
         try:
@@ -185,7 +186,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self, request: EngineCoreRequest, engine: bytes | None = None
     ) -> None:
         rank = self.get_core_engine_for_request(request)
-        self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids), time.time())
+        self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids))
         try:
             await super().add_request_async(request, self.engines[rank].identity)
         except BaseException:
@@ -211,10 +212,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         for output in outputs.outputs:
             self.policy.on_output(output.request_id, output.finished)
         if outputs.scheduler_stats is not None:
-            self.policy.on_stats(outputs.engine_index, outputs.scheduler_stats, outputs.timestamp)
+            self.policy.on_stats(
+                outputs.engine_index, outputs.scheduler_stats, outputs.requests_seen
+            )
 
-    def _on_rank_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
-        self.policy.on_stats(rank, stats, timestamp)
+    def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
+        self.policy.on_stats(rank, stats, requests_seen)
 
     def _stop_routing_to(self, engine_index: int) -> None:
         super()._stop_routing_to(engine_index)

@@ -17,19 +17,19 @@ from engine.protocol import SchedulerStats
 class _InFlight:
     rank: int
     prompt_tokens: int
-    sent_at: float  # wall clock, comparable with the engine's snapshot timestamps
+    seq: int  # this client's send count to `rank` before this request
     has_output: bool = False
 
 
 @dataclass
 class _Snapshot:
     stats: SchedulerStats
-    timestamp: float  # when the engine measured it
+    requests_seen: int  # this client's requests to the rank that the stats include
 
 
 @dataclass
 class LoadBalancePolicy:
-    """Base: the client's own in-flight map, shared by every policy.
+    """Base: the client's own in-flight map and latest view of each rank, shared by every policy.
 
     Subclasses implement `score`; `choose` returns the lowest-scored rank, breaking ties by
     rotating where the search starts, so equal ranks take turns.
@@ -37,7 +37,8 @@ class LoadBalancePolicy:
 
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
     snapshots: dict[int, _Snapshot] = field(default_factory=dict)
-    _rotation: itertools.count = field(default_factory=itertools.count)
+    _num_sent: dict[int, int] = field(default_factory=dict)
+    _rotation: itertools.count[int] = field(default_factory=itertools.count)
 
     def choose(self, ranks: Sequence[int]) -> int:
         """Picks a rank among `ranks` (non-empty, those currently routable)."""
@@ -49,14 +50,22 @@ class LoadBalancePolicy:
     def score(self, rank: int) -> float:
         raise NotImplementedError
 
-    def on_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
-        """A published snapshot of `rank`, measured by the engine at `timestamp`."""
-        previous = self.snapshots.get(rank)
-        if previous is None or timestamp >= previous.timestamp:
-            self.snapshots[rank] = _Snapshot(stats, timestamp)
+    def on_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
+        """A rank's stats, measured after it had taken in `requests_seen` of this client's sends.
 
-    def on_sent(self, request_id: str, rank: int, prompt_tokens: int, now: float) -> None:
-        self.in_flight[request_id] = _InFlight(rank, prompt_tokens, now)
+        Snapshots can arrive out of order (straight from the engine and through the
+        coordinator); an older one (fewer steps, or as many steps and fewer requests seen)
+        never replaces a newer one.
+        """
+        previous = self.snapshots.get(rank)
+        key = (stats.step_counter, requests_seen)
+        if previous is None or key >= (previous.stats.step_counter, previous.requests_seen):
+            self.snapshots[rank] = _Snapshot(stats, requests_seen)
+
+    def on_sent(self, request_id: str, rank: int, prompt_tokens: int) -> None:
+        seq = self._num_sent.get(rank, 0)
+        self._num_sent[rank] = seq + 1
+        self.in_flight[request_id] = _InFlight(rank, prompt_tokens, seq)
 
     def on_output(self, request_id: str, finished: bool) -> None:
         entry = self.in_flight.get(request_id)
@@ -72,8 +81,12 @@ class LoadBalancePolicy:
             self.in_flight.pop(request_id, None)
 
     def forget_rank(self, rank: int) -> list[str]:
-        """Drops a rank (dead or removed); returns the client's requests that were on it."""
+        """Drops a rank (dead or removed); returns the client's requests that were on it.
+
+        A rank that comes back is a new engine: its count of this client's sends starts over.
+        """
         self.snapshots.pop(rank, None)
+        self._num_sent.pop(rank, None)
         lost = [rid for rid, e in self.in_flight.items() if e.rank == rank]
         for request_id in lost:
             del self.in_flight[request_id]
@@ -86,37 +99,38 @@ class LoadBalancePolicy:
 
 @dataclass
 class LeastLoadedPolicy(LoadBalancePolicy):
-    """Least work in tokens, from published stats plus what they cannot have seen yet.
+    """Least work in tokens, from a rank's stats plus this client's sends they do not include.
 
-    For rank r with latest snapshot S (measured by the engine at time T):
+    For rank r with latest stats S, measured after r had taken in `seen` of this client's
+    requests:
 
         published(r) = S.pending_prefill_tokens + decode_cost * (S.running + S.waiting)
-        unseen(r)    = sum over this client's requests to r that were sent after T and have
-                       produced no output yet of (prompt_tokens + decode_cost)
+        unseen(r)    = sum over this client's requests to r with send number >= seen that
+                       have produced no output yet of (prompt_tokens + decode_cost)
         score(r)     = published(r) + unseen(r)
 
-    A request counts in `unseen` only until a snapshot newer than its send time arrives (then
-    the engine's own numbers include it) or its first output arrives, so a stale snapshot can
-    never erase load the client just added, and nothing is counted twice for long. Pending
-    prefill tokens dominate time to first token; `decode_cost` converts each running or queued
-    sequence into the tokens its decode steps take from every future step's budget.
+    The engine counts each client's ADDs and reports the count with its stats, so which sends
+    a snapshot includes is known exactly: a stale snapshot can never erase load the client just
+    added, and nothing is counted twice. Pending prefill tokens dominate time to first token;
+    `decode_cost` converts each running or queued sequence into the tokens its decode steps take
+    from every future step's budget.
     """
 
     decode_cost: int = 16
 
     def score(self, rank: int) -> float:
         snapshot = self.snapshots.get(rank)
-        published, seen_until = 0.0, float("-inf")
+        published, seen = 0.0, 0
         if snapshot is not None:
             s = snapshot.stats
             published = s.num_pending_prefill_tokens + self.decode_cost * (
                 s.num_running_reqs + s.num_waiting_reqs
             )
-            seen_until = snapshot.timestamp
+            seen = snapshot.requests_seen
         unseen = sum(
             e.prompt_tokens + self.decode_cost
             for e in self.in_flight.values()
-            if e.rank == rank and not e.has_output and e.sent_at > seen_until
+            if e.rank == rank and e.seq >= seen and not e.has_output
         )
         return published + unseen
 
@@ -140,12 +154,12 @@ class QueueLengthPolicy(LoadBalancePolicy):
             running = snapshot.stats.num_running_reqs
         return 4 * waiting + running
 
-    def on_stats(self, rank: int, stats: SchedulerStats, timestamp: float) -> None:
-        super().on_stats(rank, stats, timestamp)
+    def on_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
+        super().on_stats(rank, stats, requests_seen)
         self._local_waiting[rank] = 0
 
-    def on_sent(self, request_id: str, rank: int, prompt_tokens: int, now: float) -> None:
-        super().on_sent(request_id, rank, prompt_tokens, now)
+    def on_sent(self, request_id: str, rank: int, prompt_tokens: int) -> None:
+        super().on_sent(request_id, rank, prompt_tokens)
         self._local_waiting[rank] = self._local_waiting.get(rank, 0) + 1
 
 

@@ -251,7 +251,12 @@ class EngineCoreProc:
         if stats == self._last_stats and not is_heartbeat_due:
             return
         self._last_stats, self._last_stats_time = stats, now
-        report = EngineStatsReport(self.engine_index, stats, timestamp=time.time())
+        report = EngineStatsReport(
+            self.engine_index,
+            stats,
+            timestamp=time.time(),
+            requests_seen=dict(self.engine_core.requests_seen),
+        )
         self._output_queue.put((Op.STATS, report))
 
     # --- shutdown ---------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class EngineCore:
         self.eos_token_ids = self.arch.eos_token_ids
         # Error outputs of rejected requests, delivered with the next step.
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
+        # client index → ADDs taken in from that client (accepted or rejected), reported with
+        # the stats so a load balancer knows which of its sends they include.
+        self.requests_seen: dict[int, int] = {}
         logger.info(
             "engine %d ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             engine_index,
@@ -98,6 +101,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request, or an ERROR output for it if it is invalid. Never raises for one."""
+        client = request.client_index
+        self.requests_seen[client] = self.requests_seen.get(client, 0) + 1
         error = self._validate(request)
         if error is not None:
             logger.info("rejected request %r: %s", request.request_id, error)
@@ -116,6 +121,7 @@ class EngineCore:
         request_ids = self.scheduler.request_ids_of_client(client_index)
         self.scheduler.abort_requests(request_ids)
         self._rejected.pop(client_index, None)
+        self.requests_seen.pop(client_index, None)  # its index may be reused by a new client
         return request_ids
 
     def has_unfinished_requests(self) -> bool:
@@ -151,6 +157,7 @@ class EngineCore:
                 outputs=outputs,
                 scheduler_stats=stats,
                 timestamp=now,
+                requests_seen=self.requests_seen.get(client_index, 0),
             )
             for client_index, outputs in per_client.items()
         }

@@ -201,6 +201,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     finished_requests: list[str] | None = None
     wave_complete: int | None = None
     start_wave: int | None = None
+    # ADDs of this client the engine had taken in when `scheduler_stats` was measured: lets the
+    # client tell which of its sends those stats already include.
+    requests_seen: int = 0
 
 
 class EngineHello(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -245,6 +248,8 @@ class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_index: int
     stats: SchedulerStats
     timestamp: float = 0.0
+    # client index → ADDs of that client the engine had taken in when `stats` was measured.
+    requests_seen: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
