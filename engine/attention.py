@@ -1,0 +1,261 @@
+"""Paged attention: the per-step metadata (slot mapping, block tables, masks) and the attention op
+that writes new K/V into the block pool and reads each request's K/V back through its block table.
+
+Token batch order (set by the model runner): decode tokens first, sorted by context length
+descending, then one contiguous chunk per prefilling request. Knows nothing about requests,
+scheduling or sampling: it sees only positions, block ids and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A decode group is split where the padding it would save exceeds this many tokens: below it,
+# one more gather + matmul per layer costs more than attending over the padding.
+_DECODE_SPLIT_TOKENS = 512
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests (one query token each) attended together, padded to `num_blocks` blocks."""
+
+    token_start: int
+    num_seqs: int
+    num_blocks: int
+    block_table: torch.Tensor  # [num_seqs * num_blocks] block ids, padding rows point at block 0
+    mask: torch.Tensor  # [num_seqs, num_blocks * block_size] additive: 0 or -inf past the context
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of `num_tokens` query tokens at positions [start_pos, start_pos + n)."""
+
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_ids: torch.Tensor | None  # blocks covering [0, start_pos + n); None when start_pos == 0
+    mask: torch.Tensor | None  # bool [n, start_pos + n], causal offset by start_pos
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need for one step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token's K/V in the pool
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    num_tokens: int
+
+
+def token_positions(
+    starts: np.ndarray, num_new_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(request index, position) of every token of the flat batch, requests in batch order."""
+    num_tokens = int(num_new_tokens.sum())
+    req_of_token = np.repeat(np.arange(len(starts)), num_new_tokens)
+    token_starts = np.cumsum(num_new_tokens) - num_new_tokens
+    positions = starts[req_of_token] + (np.arange(num_tokens) - token_starts[req_of_token])
+    return req_of_token, positions
+
+
+def build_attention_metadata(
+    *,
+    starts: np.ndarray,
+    num_new_tokens: np.ndarray,
+    req_of_token: np.ndarray,
+    positions: np.ndarray,
+    block_table: np.ndarray,
+    num_decodes: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Builds the step's metadata from per-request arrays, in token batch order.
+
+    Args:
+        starts: [R] tokens already in the cache per request (its first new position).
+        num_new_tokens: [R] query tokens per request; the first `num_decodes` are 1.
+        req_of_token: [T] request index of each token (from `token_positions`).
+        positions: [T] position of each token (from `token_positions`).
+        block_table: [R, max_blocks] int64 block ids per request (padding entries ignored).
+        num_decodes: how many leading requests are decodes, sorted by context length descending.
+        block_size: tokens per block.
+        dtype: the model's activation dtype (for additive masks).
+        device: where the tensors go.
+
+    Returns:
+        The metadata; `slot_mapping` has one entry per token of the batch.
+    """
+    slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    slot_mapping = torch.from_numpy(slots).to(device, non_blocking=True)
+    token_starts = np.cumsum(num_new_tokens) - num_new_tokens
+    context_lens = starts + num_new_tokens
+    num_blocks = -(-context_lens // block_size)
+    groups = [
+        _decode_group(lo, hi, block_table, num_blocks, context_lens, block_size, dtype, device)
+        for lo, hi in _split_decodes(num_blocks[:num_decodes], block_size)
+    ]
+    prefills = [
+        _prefill_chunk(
+            int(token_starts[i]),
+            int(num_new_tokens[i]),
+            int(starts[i]),
+            block_table[i, : num_blocks[i]],
+            device,
+        )
+        for i in range(num_decodes, len(starts))
+    ]
+    return AttentionMetadata(slot_mapping, groups, prefills, len(positions))
+
+
+def _split_decodes(num_blocks: np.ndarray, block_size: int) -> list[tuple[int, int]]:
+    """Cuts decodes (sorted by length descending) into groups where padding would be costly."""
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(num_blocks)):
+        saved = (int(num_blocks[lo]) - int(num_blocks[i])) * (len(num_blocks) - i) * block_size
+        if saved >= _DECODE_SPLIT_TOKENS:
+            bounds.append((lo, i))
+            lo = i
+    if len(num_blocks):
+        bounds.append((lo, len(num_blocks)))
+    return bounds
+
+
+def _decode_group(
+    lo: int,
+    hi: int,
+    block_table: np.ndarray,
+    num_blocks: np.ndarray,
+    context_lens: np.ndarray,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeGroup:
+    width = int(num_blocks[lo])
+    table = block_table[lo:hi, :width].copy()
+    table[np.arange(width)[None, :] >= num_blocks[lo:hi, None]] = 0
+    lens = torch.from_numpy(context_lens[lo:hi]).to(device)
+    past_end = torch.arange(width * block_size, device=device)[None, :] >= lens[:, None]
+    mask = torch.zeros(past_end.shape, dtype=dtype, device=device).masked_fill_(
+        past_end, float("-inf")
+    )
+    return DecodeGroup(lo, hi - lo, width, torch.from_numpy(table.reshape(-1)).to(device), mask)
+
+
+def _prefill_chunk(
+    token_start: int, num_tokens: int, start_pos: int, block_ids: np.ndarray, device: torch.device
+) -> PrefillChunk:
+    if start_pos == 0:
+        return PrefillChunk(token_start, num_tokens, 0, None, None)
+    query_pos = torch.arange(start_pos, start_pos + num_tokens, device=device)
+    key_pos = torch.arange(start_pos + num_tokens, device=device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    ids = torch.from_numpy(np.ascontiguousarray(block_ids)).to(device)
+    return PrefillChunk(token_start, num_tokens, start_pos, ids, mask)
+
+
+class AttentionWorkspace:
+    """A growable scratch buffer for K/V gathers, shared by all layers of one model (they run
+    one after another), so a step does not allocate (and page-fault) a fresh buffer per layer."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(
+                max(numel, 2 * buf.numel() if buf is not None else 0), dtype=dtype, device=device
+            )
+            self._buf = buf
+        return buf[:numel]
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV pool of one layer.
+
+    The pool (`kv_cache`, bound by the model runner) has shape
+    [2, num_kv_heads, num_blocks, block_size, head_dim]: K then V, head-major so that gathering a
+    request's blocks yields [heads, tokens, head_dim] slabs without a transpose.
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, workspace: AttentionWorkspace
+    ):
+        super().__init__()
+        self.workspace = workspace
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Writes k/v into the pool and attends; q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
+        cache = self.kv_cache
+        assert cache is not None, "the KV cache is not bound; call ModelRunner.initialize_kv_cache"
+        flat = cache.view(2, self.num_kv_heads, -1, self.head_dim)
+        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty(
+            meta.num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device
+        )
+        for group in meta.decode_groups:
+            self._decode(q, group, out)
+        for chunk in meta.prefills:
+            self._prefill(q, k, v, chunk, out)
+        return out.view(meta.num_tokens, -1)
+
+    def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of `block_ids`, as [2, KVH, len(block_ids) * block_size, D] in the workspace."""
+        cache = self.kv_cache
+        assert cache is not None
+        kvh2, block_numel = 2 * self.num_kv_heads, cache.shape[3] * self.head_dim
+        ws = self.workspace.get(kvh2 * len(block_ids) * block_numel, cache.dtype, cache.device)
+        pool = cache.view(kvh2, -1, block_numel)
+        torch.index_select(pool, 1, block_ids, out=ws.view(kvh2, len(block_ids), block_numel))
+        return ws.view(2, self.num_kv_heads, -1, self.head_dim)
+
+    def _decode(self, q: torch.Tensor, group: DecodeGroup, out: torch.Tensor) -> None:
+        n, kvh, d = group.num_seqs, self.num_kv_heads, self.head_dim
+        kv = self._gather(group.block_table).view(2, kvh, n, -1, d)
+        # Each KV head is a batch row and each request a "head": the query heads sharing a KV
+        # head become that row's queries, so GQA needs no repeat of K/V.
+        rows = slice(group.token_start, group.token_start + n)
+        # Scaling q (n x H x D) is cheaper than scaling the scores (n x H x context).
+        qg = (q[rows] * self.scale).view(n, kvh, -1, d).transpose(0, 1)
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2))
+        scores.add_(group.mask[None, :, None, :])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[rows].view(n, kvh, -1, d).copy_(torch.matmul(probs, kv[1]).transpose(0, 1))
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunk: PrefillChunk,
+        out: torch.Tensor,
+    ) -> None:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        # 4-D inputs: the CPU flash kernel only takes the batched layout.
+        qh = q[rows].transpose(0, 1).unsqueeze(0)
+        if chunk.block_ids is None:
+            kh = k[rows].transpose(0, 1).unsqueeze(0)
+            vh = v[rows].transpose(0, 1).unsqueeze(0)
+            res = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        else:
+            num_keys = chunk.start_pos + chunk.num_tokens
+            kv = self._gather(chunk.block_ids)[:, :, :num_keys].unsqueeze(1)
+            res = F.scaled_dot_product_attention(
+                qh, kv[0], kv[1], attn_mask=chunk.mask, enable_gqa=True
+            )
+        out[rows].copy_(res[0].transpose(0, 1))

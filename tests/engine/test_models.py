@@ -1,0 +1,169 @@
+"""Llama / Qwen2 / Mixtral against HF transformers: greedy tokens, weight naming, load errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.errors import ModelLoadError
+from engine.models import LlamaForCausalLM, MixtralForCausalLM, get_model_class
+from engine.models.layers import rope_inv_freq
+from engine.models.mixtral import MixtralMoE
+from tests.engine.model_utils import (
+    ARCHITECTURES,
+    BlockPool,
+    Driver,
+    RecordingSampler,
+    arch_from_hf,
+    assert_greedy_matches,
+    hf_greedy,
+    make_hf_model,
+    make_request,
+    make_runner,
+    random_prompts,
+)
+
+MAX_NEW_TOKENS = 8
+
+
+def _generate(runner, prompts: list[list[int]]) -> tuple[dict[str, list[int]], RecordingSampler]:
+    recorder = RecordingSampler()
+    runner.sampler = recorder
+    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+    tokens = Driver(runner, BlockPool(runner.num_blocks)).generate(requests, MAX_NEW_TOKENS)
+    return tokens, recorder
+
+
+def _assert_matches_hf(hf_model, runner, prompts: list[list[int]]) -> None:
+    tokens, recorder = _generate(runner, prompts)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        assert_greedy_matches(tokens[f"r{i}"], recorder.logits[f"r{i}"], ref_tokens, ref_logits)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_matches_hf_generate(architecture: str) -> None:
+    hf_model = make_hf_model(architecture)
+    runner = make_runner(hf_model)
+    _assert_matches_hf(hf_model, runner, random_prompts([5, 17, 33, 9, 1]))
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MixtralForCausalLM"])
+def test_unpacked_weights_match_hf(architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The dense F.linear path (CUDA, or CPU without oneDNN) must agree too.
+    monkeypatch.setattr("engine.model_runner.can_pack_weights", lambda device, dtype: False)
+    hf_model = make_hf_model(architecture)
+    runner = make_runner(hf_model)
+    assert runner.model is not None
+    assert all(m.packed is None for m in runner.model.modules() if hasattr(m, "packed"))
+    _assert_matches_hf(hf_model, runner, random_prompts([7, 12], seed=1))
+
+
+def test_tied_embeddings_without_lm_head_tensor() -> None:
+    hf_model = make_hf_model("LlamaForCausalLM", tie_word_embeddings=True)
+    arch = arch_from_hf(hf_model)
+    assert arch.tie_word_embeddings
+    assert "lm_head.weight" in hf_model.state_dict()  # HF lists the tied tensor; accepted
+    make_runner(hf_model)
+    weights = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    runner = make_runner(hf_model, weights=weights)  # as a saved tied checkpoint has it
+    _assert_matches_hf(hf_model, runner, random_prompts([6, 11], seed=2))
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+    ids=["llama3", "linear"],
+)
+def test_rope_scaling_matches_hf(scaling: dict[str, object]) -> None:
+    hf_model = make_hf_model(
+        "LlamaForCausalLM", rope_scaling=scaling, rope_theta=500000.0, head_dim=32
+    )
+    arch = arch_from_hf(hf_model)
+    assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == scaling["rope_type"]
+    assert not torch.equal(
+        rope_inv_freq(32, 500000.0, arch.rope_scaling), rope_inv_freq(32, 500000.0, None)
+    )
+    _assert_matches_hf(hf_model, make_runner(hf_model), random_prompts([70, 40], seed=3))
+
+
+def test_unsupported_rope_scaling_is_a_load_error() -> None:
+    with pytest.raises(ModelLoadError, match="yarn"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_mixtral_loads_saved_per_expert_names(tmp_path) -> None:
+    hf_model = make_hf_model("MixtralForCausalLM")
+    hf_model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert any(".block_sparse_moe.experts.0.w1.weight" in name for name in saved)
+    runner = make_runner(hf_model, weights=saved)
+    _assert_matches_hf(hf_model, runner, random_prompts([9, 14], seed=4))
+
+
+def test_mixtral_expert_ranges_sum_to_the_full_layer() -> None:
+    hf_model = make_hf_model("MixtralForCausalLM")
+    arch = arch_from_hf(hf_model)
+    weights = hf_model.state_dict()
+    full = MixtralForCausalLM(arch)
+    halves = [MixtralForCausalLM(arch, expert_range=r) for r in [(0, 1), (1, 4)]]
+    for model in [full, *halves]:
+        model.load_weights(weights.items())
+    moes = [m.get_submodule("layers.0.mlp") for m in [full, *halves]]
+    assert all(isinstance(m, MixtralMoE) for m in moes)
+    x = torch.randn(11, arch.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moes[1](x) + moes[2](x), moes[0](x))
+        reference = hf_model.model.layers[0].mlp(x[None])[0]
+    torch.testing.assert_close(moes[0](x), reference, atol=1e-5, rtol=1e-5)
+
+
+def _llama_model_and_weights() -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
+    hf_model = make_hf_model("LlamaForCausalLM")
+    arch = arch_from_hf(hf_model)
+    return get_model_class(arch.architecture)(arch), dict(hf_model.state_dict())
+
+
+def test_load_error_names_a_wrong_shape() -> None:
+    model, weights = _llama_model_and_weights()
+    name = "model.layers.1.self_attn.k_proj.weight"
+    weights[name] = torch.zeros(5, 64)
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight.*\(5, 64\).*\(32, 64\)"):
+        model.load_weights(weights.items())
+
+
+def test_load_error_names_a_missing_tensor() -> None:
+    model, weights = _llama_model_and_weights()
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
+        model.load_weights(weights.items())
+
+
+def test_load_error_names_an_unknown_tensor() -> None:
+    model, weights = _llama_model_and_weights()
+    weights["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    with pytest.raises(ModelLoadError, match=r"q_norm\.weight"):
+        model.load_weights(weights.items())
+
+
+def test_qwen2_rejects_a_checkpoint_without_qkv_biases() -> None:
+    hf_model = make_hf_model("Qwen2ForCausalLM")
+    arch = arch_from_hf(hf_model)
+    weights = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("bias")}
+    with pytest.raises(ModelLoadError, match=r"q_proj\.bias"):
+        get_model_class(arch.architecture)(arch).load_weights(weights.items())
+
+
+def test_unsupported_architecture() -> None:
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        get_model_class("GPT2LMHeadModel")
