@@ -180,7 +180,7 @@ class AsyncLLM:
             try:
                 outputs = await client.get_output_async()
             except EngineDeadError as dead:
-                alive = dead.engine_index is not None and not client.resources.all_engines_dead()
+                alive = not client.resources.is_terminal(dead)
                 ids = (
                     processor.request_ids_on_engine(dead.engine_index)
                     if alive and dead.engine_index is not None

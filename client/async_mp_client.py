@@ -101,7 +101,7 @@ class AsyncMPClient(MPClient):
                             utility_results, utility_engines, dead.engine_index, dead
                         )
                         outputs_queue.put_nowait(dead)
-                        if dead.engine_index is None or resources.all_engines_dead():
+                        if resources.is_terminal(dead):
                             return
                         continue
                     outputs: EngineCoreOutputs = decoder.decode(frames)
@@ -271,6 +271,19 @@ class AsyncMPClient(MPClient):
         if self.resources.output_queue_task is not None:
             raise RuntimeError("the output task is running: use `await add_engine_async(...)`")
         return super().add_engine(endpoint, process)
+
+    def remove_engine(self, engine_index: int) -> None:
+        """Detaches an engine; if its death was not reported yet, the consumer now learns it.
+
+        Requests still on that engine will get no more outputs, so an `EngineDeadError` for
+        it is queued exactly as if the engine had died.
+        """
+        was_reported = engine_index in self.resources.dead_engines
+        super().remove_engine(engine_index)
+        if not was_reported:
+            self.outputs_queue.put_nowait(
+                EngineDeadError("it was removed from this client", engine_index=engine_index)
+            )
 
     async def add_engine_async(
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None

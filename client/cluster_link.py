@@ -82,6 +82,8 @@ class ClusterLink:
         except BaseException:
             await handle.registry.detach_client.remote(client_index)
             raise
+        # Ranks that die come back (Ray restarts them) and are attached again by the watch.
+        client.resources.engines_can_return = True
         return cls(handle.registry, client, membership, client_index)
 
     async def close(self) -> None:

@@ -89,6 +89,9 @@ class BackgroundResources:
     ipc_path: str | None = None  # the output socket's file, removed on close
     is_output_done: bool = False  # the sync output thread ended: its last error is terminal
     is_closed: bool = False
+    # Set when something (a cluster link) re-attaches engines that died: then even the death of
+    # every engine is not terminal for the client.
+    engines_can_return: bool = False
 
     def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
         """Checks a received message for a death notice.
@@ -115,6 +118,12 @@ class BackgroundResources:
 
     def all_engines_dead(self) -> bool:
         return self.dead_engines.issuperset(self.engine_identities)
+
+    def is_terminal(self, dead: EngineDeadError) -> bool:
+        """Whether this death ends the client's output stream for good."""
+        if dead.engine_index is None:
+            return True
+        return self.all_engines_dead() and not self.engines_can_return
 
     def add_pending(self, tracker: zmq.MessageTracker, objects: Any) -> None:
         pending = self.pending_messages

@@ -207,7 +207,7 @@ def _process_outputs_thread(
                     continue
             except EngineDeadError as dead:
                 fail_utility_calls(utility_results, utility_engines, dead.engine_index, dead)
-                if dead.engine_index is None or resources.all_engines_dead():
+                if resources.is_terminal(dead):
                     final_error = dead
                     return
                 outputs_queue.put(dead)

@@ -499,3 +499,46 @@ async def test_engines_are_added_and_removed_while_serving(checkpoint: str) -> N
             assert await client.call_utility_async("echo", 0) == 0
         finally:
             client.shutdown()
+
+
+async def test_removing_an_engine_tells_the_consumer_its_requests_are_lost(
+    checkpoint: str,
+) -> None:
+    with running_engine(tiny_config(checkpoint), engine_index=0) as zero:
+        client = AsyncMPClient([zero.endpoint])
+        try:
+            await client.add_request_async(request("long", max_tokens=200), zero.endpoint.identity)
+            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
+            client.remove_engine(0)  # e.g. a cluster link saw the rank die before the monitor did
+            while True:  # outputs already queued may come first
+                try:
+                    await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
+                except EngineDeadError as dead:
+                    assert dead.engine_index == 0
+                    break
+        finally:
+            client.shutdown()
+
+
+async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
+    checkpoint: str,
+) -> None:
+    first = ServedEngine(tiny_config(checkpoint), engine_index=0)
+    client = AsyncMPClient([first.endpoint])
+    client.resources.engines_can_return = True
+    try:
+        client._ensure_output_queue_task()
+        first.stop()
+        with pytest.raises(EngineDeadError) as info:
+            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
+        assert info.value.engine_index == 0
+        task = client.resources.output_queue_task
+        assert task is not None and not task.done()
+        client.remove_engine(0)
+        with running_engine(tiny_config(checkpoint), engine_index=0) as second:
+            await client.add_engine_async(second.endpoint)
+            await client.add_request_async(request("again", max_tokens=2), second.endpoint.identity)
+            assert (await collect(client, {"again"}))["again"][-1].finished
+    finally:
+        client.shutdown()
+        first.stop()

@@ -152,12 +152,12 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
     old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
     ray.kill(cluster.engine(victim), no_restart=False)
     killed_at = time.monotonic()
-    results = await asyncio.gather(*doomed, return_exceptions=True)
+    results = await asyncio.wait_for(asyncio.gather(*doomed, return_exceptions=True), 10)
     assert time.monotonic() - killed_at < 2.0
     assert all(isinstance(r, EngineDeadError) for r in results), results
 
     # The other rank keeps serving meanwhile.
-    alive = await _final(llm, "still here", _params(4))
+    alive = await asyncio.wait_for(_final(llm, "still here", _params(4)), 30)
     assert alive.data_parallel_rank == survivor
 
     # Ray restarts the victim; it re-registers and this driver attaches it again.
@@ -174,6 +174,8 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
             break
         assert time.monotonic() < deadline, (info, _client(llm).lb_engines)
         await asyncio.sleep(0.2)
-    back = await _final(llm, "welcome back", _params(4), data_parallel_rank=victim)
+    back = await asyncio.wait_for(
+        _final(llm, "welcome back", _params(4), data_parallel_rank=victim), 30
+    )
     assert back.data_parallel_rank == victim
     assert len(back.outputs[0].token_ids) == 4

@@ -15,7 +15,7 @@ import ray
 from cluster.placement import live_placement_group_names
 from deploy import cli, serve
 from engine.config import EngineConfig, engine_kwargs_from_cli
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_tiny_checkpoint, smollm2_path
 from tests.ray_utils import REPO_ROOT, free_port, ray_env, ray_local, unique_namespace
 
 __all__ = ["ray_local"]
@@ -55,9 +55,24 @@ def test_serve_flags_map_onto_the_engine_config() -> None:
         cli.build_parser().parse_args(["serve", "--data-parallel-size", "2"])  # no --model
 
 
-def test_demo_is_reserved_but_not_available(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo"]) == 2
-    assert "not available" in capsys.readouterr().err
+@pytest.mark.slow
+def test_demo_streams_real_answers_from_both_ranks() -> None:
+    """The README's first command: two ranks of SmolLM2, answers printed with their rank."""
+    smollm2_path()  # skips when the model wheel is missing
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy", "demo", "--max-tokens", "12", "--namespace", "demo-test"],
+        capture_output=True,
+        text=True,
+        env=ray_env(),
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("[rank ") == 6, out
+    assert "[rank 0]" in out and "[rank 1]" in out
+    assert "Paris" in out  # the capital of France, greedy, from the real model
+    assert "cluster stopped" in out
 
 
 def test_status_and_stop_without_ray_fail_fast_and_clearly() -> None:
