@@ -1,9 +1,10 @@
 """Paged attention: the per-step metadata (slot mapping, block tables, masks) and the attention op
 that writes new K/V into the block pool and reads each request's K/V back through its block table.
 
-Token batch order (set by the model runner): decode tokens first, sorted by context length
-descending, then one contiguous chunk per prefilling request. Knows nothing about requests,
-scheduling or sampling: it sees only positions, block ids and counts.
+Decodes go to the C kernel on CPU when one is given (it reads the pool in place), else through
+the torch path (gather + matmul); prefill chunks always use SDPA. Token batch order (set by the
+model runner): decode tokens first, sorted by context length descending, then one contiguous
+chunk per prefilling request. Knows nothing about requests, scheduling or sampling.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.paged_attention_kernel import PagedDecodeKernel
+
 # A decode group is split where the padding it would save exceeds this many tokens: below it,
 # one more gather + matmul per layer costs more than attending over the padding.
 _DECODE_SPLIT_TOKENS = 512
+# Positions per kernel work item: longer contexts are split so a few long requests still spread
+# over all threads, and merged afterwards.
+_KERNEL_PARTITION_TOKENS = 512
 
 
 @dataclass
@@ -29,6 +35,18 @@ class DecodeGroup:
     num_blocks: int
     block_table: torch.Tensor  # [num_seqs * num_blocks] block ids, padding rows point at block 0
     mask: torch.Tensor  # [num_seqs, num_blocks * block_size] additive: 0 or -inf past the context
+
+
+@dataclass
+class KernelDecode:
+    """The step's decodes (batch rows [0, num_seqs)), attended by the C kernel in place."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks] (padding entries never read)
+    context_lens: torch.Tensor  # int32 [num_seqs]: positions [0, len) are attended
+    partition_blocks: int
+    num_threads: int  # torch's intra-op thread count, applied to the kernel's OpenMP region
+    kernel: PagedDecodeKernel
 
 
 @dataclass
@@ -47,9 +65,10 @@ class AttentionMetadata:
     """Everything the attention layers need for one step, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token's K/V in the pool
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # the torch path's decodes; empty when the kernel has them
     prefills: list[PrefillChunk]
     num_tokens: int
+    kernel_decode: KernelDecode | None = None
 
 
 def token_positions(
@@ -74,6 +93,7 @@ def build_attention_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    decode_kernel: PagedDecodeKernel | None = None,
 ) -> AttentionMetadata:
     """Builds the step's metadata from per-request arrays, in token batch order.
 
@@ -87,6 +107,8 @@ def build_attention_metadata(
         block_size: tokens per block.
         dtype: the model's activation dtype (for additive masks).
         device: where the tensors go.
+        decode_kernel: when given (CPU), the decodes are attended by it instead of the torch
+            path.
 
     Returns:
         The metadata; `slot_mapping` has one entry per token of the batch.
@@ -96,10 +118,17 @@ def build_attention_metadata(
     token_starts = np.cumsum(num_new_tokens) - num_new_tokens
     context_lens = starts + num_new_tokens
     num_blocks = -(-context_lens // block_size)
-    groups = [
-        _decode_group(lo, hi, block_table, num_blocks, context_lens, block_size, dtype, device)
-        for lo, hi in _split_decodes(num_blocks[:num_decodes], block_size)
-    ]
+    kernel_decode = None
+    groups: list[DecodeGroup] = []
+    if decode_kernel is not None and num_decodes > 0:
+        kernel_decode = _kernel_decode(
+            block_table, num_blocks, context_lens, num_decodes, block_size, decode_kernel
+        )
+    else:
+        groups = [
+            _decode_group(lo, hi, block_table, num_blocks, context_lens, block_size, dtype, device)
+            for lo, hi in _split_decodes(num_blocks[:num_decodes], block_size)
+        ]
     prefills = [
         _prefill_chunk(
             int(token_starts[i]),
@@ -110,7 +139,28 @@ def build_attention_metadata(
         )
         for i in range(num_decodes, len(starts))
     ]
-    return AttentionMetadata(slot_mapping, groups, prefills, len(positions))
+    return AttentionMetadata(slot_mapping, groups, prefills, len(positions), kernel_decode)
+
+
+def _kernel_decode(
+    block_table: np.ndarray,
+    num_blocks: np.ndarray,
+    context_lens: np.ndarray,
+    num_decodes: int,
+    block_size: int,
+    kernel: PagedDecodeKernel,
+) -> KernelDecode:
+    width = int(num_blocks[:num_decodes].max())
+    tables = np.ascontiguousarray(block_table[:num_decodes, :width], dtype=np.int32)
+    lens = np.ascontiguousarray(context_lens[:num_decodes], dtype=np.int32)
+    return KernelDecode(
+        num_seqs=num_decodes,
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(lens),
+        partition_blocks=max(1, _KERNEL_PARTITION_TOKENS // block_size),
+        num_threads=torch.get_num_threads(),
+        kernel=kernel,
+    )
 
 
 def _split_decodes(num_blocks: np.ndarray, block_size: int) -> list[tuple[int, int]]:
@@ -208,6 +258,8 @@ class PagedAttention(nn.Module):
         out = torch.empty(
             meta.num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device
         )
+        if meta.kernel_decode is not None:
+            self._decode_in_place(q, meta.kernel_decode, out)
         for group in meta.decode_groups:
             self._decode(q, group, out)
         for chunk in meta.prefills:
@@ -223,6 +275,31 @@ class PagedAttention(nn.Module):
         pool = cache.view(kvh2, -1, block_numel)
         torch.index_select(pool, 1, block_ids, out=ws.view(kvh2, len(block_ids), block_numel))
         return ws.view(2, self.num_kv_heads, -1, self.head_dim)
+
+    def _decode_in_place(self, q: torch.Tensor, decode: KernelDecode, out: torch.Tensor) -> None:
+        cache = self.kv_cache
+        assert cache is not None
+        n = decode.num_seqs
+        query, dest = q[:n], out[:n]
+        # The kernel computes in fp32; bf16 activations are converted (only n x H x D floats).
+        is_fp32 = q.dtype == torch.float32
+        if not is_fp32 or query.stride(-1) != 1:
+            query = query.float().contiguous()
+        if not is_fp32:
+            dest = torch.empty(query.shape, dtype=torch.float32)
+        decode.kernel.decode(
+            dest,
+            query,
+            cache[0],
+            cache[1],
+            decode.block_tables,
+            decode.context_lens,
+            scale=self.scale,
+            partition_blocks=decode.partition_blocks,
+            num_threads=decode.num_threads,
+        )
+        if not is_fp32:
+            out[:n].copy_(dest)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup, out: torch.Tensor) -> None:
         n, kvh, d = group.num_seqs, self.num_kv_heads, self.head_dim

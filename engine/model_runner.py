@@ -18,6 +18,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.model_arch import ModelArch
 from engine.models import LlamaForCausalLM, get_model_class
 from engine.models.layers import can_pack_weights
+from engine.paged_attention_kernel import PagedDecodeKernel, is_supported, load_decode_kernel
 from engine.sampler import Sampler
 from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -80,8 +81,18 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.sampler = Sampler()
+        self.decode_kernel = self._decode_kernel()
         # Persistent host buffers: a step writes its inputs here instead of allocating.
         self._input_ids = np.zeros(scheduler_config.max_num_batched_tokens, dtype=np.int64)
+
+    def _decode_kernel(self) -> PagedDecodeKernel | None:
+        """The C decode kernel on CPU, when it handles this model; None keeps the torch path."""
+        arch = self.arch
+        if self.device.type != "cpu" or not is_supported(
+            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype
+        ):
+            return None
+        return load_decode_kernel()
 
     def load_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Builds the model for `arch` and loads HF-named tensors into it.
@@ -222,6 +233,7 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
             device=self.device,
+            decode_kernel=self.decode_kernel,
         )
         ends = np.cumsum(num_new)
         sample_rows = [int(ends[i]) - 1 for i, s in enumerate(batch) if s.samples]
