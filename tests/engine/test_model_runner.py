@@ -99,6 +99,7 @@ def test_shuffled_block_tables_and_decode_groups(
     # Very different context lengths, non-contiguous shuffled blocks; decodes attended in
     # per-length groups (split) or padded to the longest (one group): same tokens either way.
     monkeypatch.setattr(engine.attention, "_DECODE_SPLIT_TOKENS", split_tokens)
+    monkeypatch.setenv("SHOAL_DISABLE_CPU_KERNEL", "1")  # exercise the torch gather path
     prompts = random_prompts([3, 60, 25, 8, 41], seed=4)
     runner, recorder = _runner(hf_llama)
     requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
