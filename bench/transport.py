@@ -1,25 +1,44 @@
-"""Transport overhead: what AsyncMPClient + ZMQ add on top of an in-process EngineCore.
+"""Transport overhead: what shoal's client path costs on top of an in-process EngineCore.
 
 (a) Latency: one request at a time, max_tokens=1, on a tiny random Llama whose step is cheap;
-    p50/p99 of add → finished output through an engine process, minus the in-process figure.
+    p50/p99 of add → finished output through AsyncMPClient and an engine process, minus the
+    in-process EngineCore figure. The two alternate in blocks, so both see the same machine.
 (b) Output throughput: a producer process pushes prebuilt EngineCoreOutputs batches of 64
     outputs into the client's output socket; outputs/s the output task delivers to a consumer,
     against a bare zmq PULL + msgspec decode loop on the same stream (the ceiling).
+(c) Streaming: 400 concurrent streams of 16 tokens through AsyncLLM (tiny model, engine in a
+    child process), against Ray Serve streaming the same 16 chunks per request.
+    Per chunk, shoal runs a real engine step share (scheduling, the model, sampling), sends the
+    token over ZMQ, decodes it, detokenizes it, builds a RequestOutput (DELTA: the new text and
+    token id) and wakes the request's stream. Ray Serve runs no model: a one-replica deployment
+    whose async generator yields (token_id, text) 16 times, called through a DeploymentHandle
+    with `.options(stream=True)`. Both are driven by one asyncio loop in this process that
+    starts all 400 streams at once and consumes every chunk; both get a warm-up run first and
+    both report the best of `--num-runs` runs. Ray (ray[serve], the `bench` extra) is started
+    locally with Serve bound to 127.0.0.1 and shut down after; shoal's engine is stopped
+    before Ray starts. shoal's engine runs with cpu_threads=1, and this process freezes its
+    startup heap after the warm-up, as a server does once it has started. A stream whose
+    consumer falls behind receives merged deltas (fewer, larger chunks), so shoal's figure
+    counts tokens and also reports the chunks received.
 
-    .venv/bin/python bench/transport.py [--num-requests 2000] [--num-batches 20000] [--num-runs 3] [--transport tcp]
+    .venv/bin/python bench/transport.py [--parts abc] [--num-requests 2000] [--num-batches 20000] \
+        [--num-runs 3] [--transport tcp]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +47,11 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import msgspec
-import torch
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from client.async_llm import AsyncLLM
 from client.core_client import AsyncMPClient
 from engine.config import EngineConfig
 from engine.core_proc import start_engine_process, stop_engine_process
@@ -41,6 +60,7 @@ from engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    RequestOutputKind,
     SamplingParams,
     SchedulerStats,
 )
@@ -48,6 +68,15 @@ from engine.serial import MsgpackEncoder
 
 OUTPUTS_PER_BATCH = 64
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+NUM_STREAMS = 400
+TOKENS_PER_STREAM = 16
+STREAM_PARAMS = SamplingParams(
+    max_tokens=TOKENS_PER_STREAM,
+    temperature=0.0,
+    ignore_eos=True,
+    output_kind=RequestOutputKind.DELTA,
+)
+_LATENCY_BLOCK = 100  # requests per turn when (a) alternates in-process and remote
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,36 +88,55 @@ def make_request(i: int) -> EngineCoreRequest:
     return EngineCoreRequest(f"r{i}", [1 + i % 100, 2, 3, 4], PARAMS)
 
 
+def freeze_startup_heap() -> None:
+    """What a server does once it has started: keep the startup heap out of GC passes."""
+    gc.collect()
+    gc.freeze()
+
+
 # --- (a) latency ------------------------------------------------------------------------------
 
 
-def inproc_latencies(config: EngineConfig, num_requests: int) -> list[float]:
+def _inproc_latency(core: EngineCore, i: int) -> float:
+    started = time.perf_counter()
+    core.add_request(make_request(i))
+    while not any(o.finished for out in core.step().values() for o in out.outputs):
+        pass
+    return time.perf_counter() - started
+
+
+async def _remote_latency(client: AsyncMPClient, i: int) -> float:
+    started = time.perf_counter()
+    await client.add_request_async(make_request(i))
+    while not any(o.finished for o in (await client.get_output_async()).outputs):
+        pass
+    return time.perf_counter() - started
+
+
+async def latencies(
+    config: EngineConfig, num_requests: int, transport: str
+) -> tuple[list[float], list[float]]:
+    """(in-process, remote) latencies, measured in alternating blocks after one warm-up block."""
     core = EngineCore(config)
-    latencies = []
-    for i in range(num_requests):
-        started = time.perf_counter()
-        core.add_request(make_request(i))
-        while not any(o.finished for out in core.step().values() for o in out.outputs):
-            pass
-        latencies.append(time.perf_counter() - started)
-    return latencies
-
-
-async def zmq_latencies(config: EngineConfig, num_requests: int, transport: str) -> list[float]:
     process, endpoint = start_engine_process(config, transport=transport)
     client = AsyncMPClient([endpoint], processes={0: process}, transport=transport)
-    latencies = []
+    freeze_startup_heap()
+    inproc: list[float] = []
+    remote: list[float] = []
     try:
-        for i in range(num_requests):
-            started = time.perf_counter()
-            await client.add_request_async(make_request(i))
-            while not any(o.finished for o in (await client.get_output_async()).outputs):
-                pass
-            latencies.append(time.perf_counter() - started)
+        num_blocks = 1 + max(1, num_requests // _LATENCY_BLOCK)
+        for block in range(num_blocks):
+            first = block * _LATENCY_BLOCK
+            ids = range(first, first + _LATENCY_BLOCK)
+            block_inproc = [_inproc_latency(core, i) for i in ids]
+            block_remote = [await _remote_latency(client, i) for i in ids]
+            if block:  # the first block warms both paths up
+                inproc += block_inproc
+                remote += block_remote
     finally:
         client.shutdown()
         stop_engine_process(process)
-    return latencies
+    return inproc, remote
 
 
 # --- (b) output throughput --------------------------------------------------------------------
@@ -175,27 +223,124 @@ def best_of(num_runs: int, measure: Callable[[], float]) -> float:
     return max(measure() for _ in range(num_runs))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--num-batches", type=int, default=20000)
-    parser.add_argument("--num-runs", type=int, default=3, help="throughput runs; best is kept")
-    parser.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="for (a)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+# --- (c) streaming: AsyncLLM against Ray Serve ----------------------------------------------
 
-    from tests.factories import make_tiny_checkpoint
 
-    with tempfile.TemporaryDirectory() as directory:
-        path = make_tiny_checkpoint(directory, "llama", hidden_size=32, num_layers=1)
-        config = EngineConfig.from_kwargs(path, num_gpu_blocks_override=64, max_model_len=128)
-        inproc = inproc_latencies(config, args.num_requests)
-        remote = asyncio.run(zmq_latencies(config, args.num_requests, args.transport))
-    ceiling = best_of(args.num_runs, lambda: ceiling_outputs_per_s(args.num_batches))
-    absorbed = best_of(args.num_runs, lambda: asyncio.run(client_outputs_per_s(args.num_batches)))
+@dataclass
+class StreamRun:
+    """One run of concurrent streams."""
 
+    elapsed_s: float
+    num_tokens: int
+    num_chunks: int
+    latencies_s: list[float]  # per stream: start → last chunk
+    first_chunk_s: list[float]  # per stream: start → first chunk
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s
+
+
+StreamFn = Callable[[int, str], AsyncIterator[int]]  # yields the number of tokens per chunk
+
+
+async def run_streams(stream: StreamFn, num_streams: int, tag: str) -> StreamRun:
+    async def consume(i: int) -> tuple[int, int, float, float]:
+        started = time.perf_counter()
+        num_tokens = num_chunks = 0
+        first = 0.0
+        async for tokens in stream(i, f"{tag}-{i}"):
+            if not num_chunks:
+                first = time.perf_counter() - started
+            num_tokens += tokens
+            num_chunks += 1
+        return num_tokens, num_chunks, time.perf_counter() - started, first
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(consume(i) for i in range(num_streams)))
+    elapsed = time.perf_counter() - started
+    return StreamRun(
+        elapsed,
+        sum(r[0] for r in results),
+        sum(r[1] for r in results),
+        [r[2] for r in results],
+        [r[3] for r in results],
+    )
+
+
+async def shoal_streams(path: str, num_streams: int, num_runs: int) -> StreamRun:
+    llm = AsyncLLM(
+        path,
+        max_model_len=128,
+        num_gpu_blocks_override=num_streams * 2,
+        max_num_seqs=num_streams,
+        max_num_batched_tokens=num_streams * 8,
+        cpu_threads=1,
+    )
+
+    async def stream(i: int, request_id: str) -> AsyncIterator[int]:
+        prompt = [1 + i % 100, 2, 3, 4, 5, 6, 7, 8]
+        async for output in llm.generate(prompt, STREAM_PARAMS, request_id=request_id):
+            yield len(output.outputs[0].token_ids)
+
+    try:
+        await run_streams(stream, num_streams, "warm-up")
+        freeze_startup_heap()
+        runs = [await run_streams(stream, num_streams, f"run{r}") for r in range(num_runs)]
+    finally:
+        await llm.shutdown()
+    return max(runs, key=lambda run: run.tokens_per_s)
+
+
+def ray_serve_streams(num_streams: int, num_runs: int) -> StreamRun:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        sys.exit("(c) needs Ray Serve: .venv/bin/pip install 'ray[serve]' (the bench extra)")
+
+    class TokenStream:
+        async def generate(self, request_id: str, num_chunks: int) -> AsyncIterator[Any]:
+            for i in range(num_chunks):
+                yield (1000 + i, f" tok{i}")
+
+    deployment = serve.deployment(num_replicas=1, max_ongoing_requests=num_streams * 2)
+
+    async def measure() -> StreamRun:
+        app = serve.run(deployment(TokenStream).bind(), name="transport-bench", route_prefix=None)
+        handle = app.options(stream=True, method_name="generate")
+
+        async def stream(i: int, request_id: str) -> AsyncIterator[int]:
+            chunks: Any = handle.remote(request_id, TOKENS_PER_STREAM)  # a response generator
+            async for _chunk in chunks:
+                yield 1
+
+        await run_streams(stream, num_streams, "warm-up")
+        runs = [await run_streams(stream, num_streams, f"run{r}") for r in range(num_runs)]
+        return max(runs, key=lambda run: run.tokens_per_s)
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+        return asyncio.run(measure())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def report_latency(inproc: list[float], remote: list[float], transport: str) -> None:
     ms = 1000.0
-    print(f"(a) latency, max_tokens=1, {args.num_requests} sequential requests, {args.transport}")
+    print(f"(a) latency, max_tokens=1, {len(remote)} sequential requests, {transport}")
     print(f"    {'path':<28}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
     for name, values in (("in-process EngineCore", inproc), ("AsyncMPClient + ZMQ", remote)):
         print(
@@ -205,12 +350,59 @@ def main() -> None:
     added_p50 = (percentile(remote, 0.5) - percentile(inproc, 0.5)) * ms
     added_p99 = (percentile(remote, 0.99) - percentile(inproc, 0.99)) * ms
     print(f"    {'added by the transport':<28}{added_p50:>10.3f}{added_p99:>10.3f}")
-    print(
-        f"(b) output throughput, batches of {OUTPUTS_PER_BATCH} outputs, {args.num_batches} batches"
-    )
+
+
+def report_throughput(ceiling: float, absorbed: float, num_batches: int) -> None:
+    print(f"(b) output throughput, batches of {OUTPUTS_PER_BATCH} outputs, {num_batches} batches")
     print(f"    {'bare PULL + decode':<28}{ceiling:>14,.0f} outputs/s")
     print(f"    {'AsyncMPClient output task':<28}{absorbed:>14,.0f} outputs/s")
     print(f"    {'ratio':<28}{absorbed / ceiling:>14.0%}")
+
+
+def report_streams(shoal: StreamRun, ray_serve: StreamRun) -> None:
+    ms = 1000.0
+    print(f"(c) {NUM_STREAMS} concurrent streams of {TOKENS_PER_STREAM} tokens")
+    header = f"{'tokens/s':>12}{'chunks':>8}{'p50 ms':>9}{'p99 ms':>9}{'first p50':>11}"
+    print(f"    {'path':<28}{header}")
+    for name, run in (("AsyncLLM (shoal)", shoal), ("Ray Serve streaming handle", ray_serve)):
+        print(
+            f"    {name:<28}{run.tokens_per_s:>12,.0f}{run.num_chunks:>8}"
+            f"{percentile(run.latencies_s, 0.5) * ms:>9.1f}"
+            f"{percentile(run.latencies_s, 0.99) * ms:>9.1f}"
+            f"{percentile(run.first_chunk_s, 0.5) * ms:>11.1f}"
+        )
+    print(f"    {'throughput ratio':<28}{shoal.tokens_per_s / ray_serve.tokens_per_s:>11.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="abc", help="which parts to run, e.g. 'ab'")
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--num-batches", type=int, default=20000)
+    parser.add_argument("--num-runs", type=int, default=3, help="throughput runs; best is kept")
+    parser.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="for (a)")
+    args = parser.parse_args()
+
+    from tests.factories import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = make_tiny_checkpoint(directory, "llama", hidden_size=32, num_layers=1)
+        if "a" in args.parts:
+            config = EngineConfig.from_kwargs(
+                path, num_gpu_blocks_override=64, max_model_len=128, cpu_threads=1
+            )
+            inproc, remote = asyncio.run(latencies(config, args.num_requests, args.transport))
+            report_latency(inproc, remote, args.transport)
+        if "b" in args.parts:
+            ceiling = best_of(args.num_runs, lambda: ceiling_outputs_per_s(args.num_batches))
+            absorbed = best_of(
+                args.num_runs, lambda: asyncio.run(client_outputs_per_s(args.num_batches))
+            )
+            report_throughput(ceiling, absorbed, args.num_batches)
+        if "c" in args.parts:
+            shoal = asyncio.run(shoal_streams(path, NUM_STREAMS, args.num_runs))
+            ray_serve = ray_serve_streams(NUM_STREAMS, args.num_runs)
+            report_streams(shoal, ray_serve)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class BackgroundResources:
     output_socket: zmq.Socket | None = None
     engine_monitor: EngineMonitor | None = None
     output_queue_task: Any = None  # asyncio.Task, asyncio mode only
+    output_reader: tuple[Any, int] | None = None  # (loop, fd) the output task reads through
     stats_update_task: Any = None  # asyncio.Task of a DP client's stats subscription
     stats_socket: zmq.Socket | None = None  # that subscription's socket
     output_thread: threading.Thread | None = None
@@ -125,6 +126,18 @@ class BackgroundResources:
             return True
         return self.all_engines_dead() and not self.engines_can_return
 
+    def remove_output_reader(self) -> None:
+        """Unregisters the output task's FD reader (idempotent); before the socket closes.
+
+        A reader left behind on a closed FD would capture a later FD with the same number.
+        Like zmq.asyncio's own close, this may run in the thread that closes the client.
+        """
+        reader, self.output_reader = self.output_reader, None
+        if reader is not None:
+            loop, fd = reader
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+
     def add_pending(self, tracker: zmq.MessageTracker, objects: Any) -> None:
         pending = self.pending_messages
         while pending and pending[0][0].done:
@@ -155,6 +168,7 @@ class BackgroundResources:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
+        self.remove_output_reader()
         _close_socket(self.output_socket, linger=0)
         _close_socket(self.stats_socket, linger=0)
         _close_socket(self.input_socket, linger=_CLOSE_LINGER_MS)

@@ -33,7 +33,8 @@ class RequestOutputCollector:
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self._aggregate = output_kind == RequestOutputKind.DELTA
         self._item: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
+        # The consumer's, while it waits: a bare future costs less per token than an Event.
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self._item, RequestOutput) and isinstance(item, RequestOutput):
@@ -43,7 +44,11 @@ class RequestOutputCollector:
                 self._item = item
         elif not isinstance(self._item, BaseException):
             self._item = item
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: the consumer was cancelled
+                waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         """Waits for the next output.
@@ -52,9 +57,9 @@ class RequestOutputCollector:
             BaseException: the error put in place of an output.
         """
         while self._item is None:
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         item, self._item = self._item, None
-        self._ready.clear()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -128,6 +133,8 @@ class RequestState:
         self._holdback = max((len(s) for s in self.params.stop), default=1) - 1
         if self.params.include_stop_str_in_output:
             self._holdback = 0
+        self._has_stop_strings = bool(self.params.stop)
+        self._output_kind = self.params.output_kind
 
     @property
     def finished(self) -> bool:
@@ -135,25 +142,31 @@ class RequestState:
 
     def apply(self, output: EngineCoreOutput, engine_index: int, now: float) -> bool:
         """Folds one engine output in; returns True if a stop string finished the request here."""
+        # Runs once per streamed token of every request: attribute reads are kept few.
         self.engine_index = engine_index
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
-        if output.new_token_ids:
-            if self.metrics.first_token_time is None:
-                self.metrics.first_token_time = now
-            self.metrics.last_token_time = now
-            self.token_ids.extend(output.new_token_ids)
+        if output.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = output.num_cached_tokens
+        new_token_ids = output.new_token_ids
+        stopped_here = False
+        if new_token_ids:
+            metrics = self.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            self.token_ids.extend(new_token_ids)
             if output.new_logprobs is not None:
                 self._add_logprobs(output.new_logprobs)
-        stopped_here = False
-        if self.detokenizer is not None and output.new_token_ids:
-            num_new_chars = len(self.detokenizer.update(output.new_token_ids))
-            self.text = self.detokenizer.output_text
-            stopped_here = self._check_stop_strings(num_new_chars)
-        if output.finish_reason is not None and not self.finished:
+            detokenizer = self.detokenizer
+            if detokenizer is not None:
+                num_new_chars = len(detokenizer.update(new_token_ids))
+                self.text = detokenizer.output_text
+                if self._has_stop_strings:
+                    stopped_here = self._check_stop_strings(num_new_chars)
+        if output.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.error = output.error_message
-        if self.finished:
+        if self.finish_reason is not None:
             self.metrics.finished_time = now
         return stopped_here
 
@@ -166,24 +179,28 @@ class RequestState:
 
     def make_output(self) -> RequestOutput | None:
         """The output to hand to the caller now, following the request's output kind."""
-        kind = self.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+        finished = self.finish_reason is not None
+        kind = self._output_kind
+        all_token_ids = self.token_ids
+        if not finished and (
+            kind == RequestOutputKind.FINAL_ONLY or len(all_token_ids) == self._num_sent_tokens
+        ):
             return None
-        visible = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
-        new_token_ids = self.token_ids[self._num_sent_tokens :]
+        all_text = self.text
+        visible = len(all_text) if finished else max(0, len(all_text) - self._holdback)
+        new_token_ids = all_token_ids[self._num_sent_tokens :]
         if kind == RequestOutputKind.DELTA:
-            text = self.text[self._num_sent_chars : visible]
+            text = all_text[self._num_sent_chars : visible]
             token_ids = list(new_token_ids)
             logprobs = (
                 self.logprobs[self._num_sent_logprobs :] if self.logprobs is not None else None
             )
         else:
-            text, token_ids = self.text[:visible], list(self.token_ids)
+            text, token_ids = all_text[:visible], list(all_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
-        if not self.finished and not new_token_ids:
-            return None
-        self._num_sent_tokens = len(self.token_ids)
-        self._num_sent_chars = max(self._num_sent_chars, visible)
+        self._num_sent_tokens = len(all_token_ids)
+        if visible > self._num_sent_chars:
+            self._num_sent_chars = visible
         self._num_sent_logprobs = len(self.logprobs) if self.logprobs is not None else 0
         completion = CompletionOutput(
             index=0,
@@ -307,7 +324,7 @@ class OutputProcessor:
 
     def _emit(self, state: RequestState, processed: ProcessedOutputs) -> None:
         output = state.make_output()
-        if state.finished:
+        if state.finish_reason is not None:
             self.request_states.pop(state.request_id, None)
         if output is None:
             return

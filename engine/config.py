@@ -37,6 +37,9 @@ class ModelConfig:
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer.json or directory; default: from the model")
     )
+    cpu_threads: int | None = field(
+        default=None, metadata=_help("torch intra-op threads on CPU; default: torch's own")
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ process entry `run_engine_core`. Framing and connection handling live in `engine
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -99,7 +100,6 @@ class EngineCoreProc:
         self.engine_core = EngineCore(config, engine_index=engine_index)
         self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
         self._input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._output_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._ipc_dir: str | None = None
         router = self._ctx.socket(zmq.ROUTER)
@@ -113,7 +113,7 @@ class EngineCoreProc:
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
         self._input_thread = InputThread(self._ctx, router, facts, methods, self._input_queue)
-        self._output_thread = OutputThread(engine_index, self._output_queue, stats_socket)
+        self._output_thread = OutputThread(engine_index, queue.SimpleQueue(), stats_socket)
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None
         self._last_stats_time = 0.0  # when the last report was sent
@@ -158,8 +158,9 @@ class EngineCoreProc:
         """Serves until `shutdown()`; blocks the calling thread.
 
         Each turn: (1) drain the input queue, blocking briefly when idle; (2) if there is work,
-        run one engine step; (3) hand each client's outputs to the output thread; (4) report
-        stats when due. On a fatal error every attached client is told ENGINE_CORE_DEAD.
+        run one engine step; (3) send each client's outputs (from this thread when the output
+        thread is idle, else through it); (4) report stats when due. On a fatal error every
+        attached client is told ENGINE_CORE_DEAD.
 
         Raises:
             Exception: whatever killed the loop, after the clients were told.
@@ -214,9 +215,9 @@ class EngineCoreProc:
             aborted = self.engine_core.abort_client_requests(item[1])
             if aborted:
                 self._orphan_ids[item[1]] = set(aborted)
-            self._output_queue.put(item)
+            self._output_thread.submit(item)
         elif op in (Op.ATTACH, Op.SEND):
-            self._output_queue.put(item)
+            self._output_thread.submit(item)
         elif op == Op.DEAD:
             raise RuntimeError("an engine IO thread failed")
 
@@ -228,7 +229,7 @@ class EngineCoreProc:
             logger.info("utility call %s failed: %s", method, e)
             output = UtilityOutput(call_id=call_id, failure_message=f"{type(e).__name__}: {e}")
         outputs = EngineCoreOutputs(engine_index=self.engine_index, utility_output=output)
-        self._output_queue.put((Op.SEND, client_index, outputs))
+        self._output_thread.send_or_submit(client_index, outputs)
 
     def _queue_outputs(self, outputs_by_client: dict[int, EngineCoreOutputs]) -> None:
         orphans, self._orphan_ids = self._orphan_ids, {}
@@ -236,7 +237,7 @@ class EngineCoreProc:
             dropped = orphans.get(client_index)
             if dropped:
                 outputs.outputs = [o for o in outputs.outputs if o.request_id not in dropped]
-            self._output_queue.put((Op.SEND, client_index, outputs))
+            self._output_thread.send_or_submit(client_index, outputs)
 
     def _maybe_report_stats(self) -> None:
         now = time.monotonic()
@@ -257,7 +258,7 @@ class EngineCoreProc:
             timestamp=time.time(),
             requests_seen=dict(self.engine_core.requests_seen),
         )
-        self._output_queue.put((Op.STATS, report))
+        self._output_thread.submit((Op.STATS, report))
 
     # --- shutdown ---------------------------------------------------------------------------
 
@@ -282,9 +283,9 @@ class EngineCoreProc:
         while not self._input_queue.empty():
             item = self._input_queue.get_nowait()
             if item[0] == Op.ATTACH:
-                self._output_queue.put(item)
+                self._output_thread.submit(item)
         # Attached clients learn at once that this engine is gone, fatal error or not.
-        self._output_queue.put((Op.DEAD,))
+        self._output_thread.submit((Op.DEAD,))
         self._output_thread.join(timeout=5)
         try:
             self.engine_core.shutdown()
@@ -324,6 +325,10 @@ def run_engine_core(
     except BaseException:
         ready_pipe.send_bytes(msgspec.msgpack.encode(("error", None, traceback.format_exc())))
         raise SystemExit(1) from None
+    # The startup heap (torch, the model, the tokenizer) lives as long as the process: kept
+    # out of the collector, a full collection no longer walks it (tens of ms, then a stall).
+    gc.collect()
+    gc.freeze()
     ready_pipe.send_bytes(msgspec.msgpack.encode(("ready", proc.endpoint, "")))
     ready_pipe.close()
     try:

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.loader import load_model_arch, load_weights
 from engine.model_arch import ModelArch
@@ -72,6 +74,13 @@ class EngineCore:
             self.arch,
             max_model_len=self.max_model_len,
         )
+        cpu_threads = config.model.cpu_threads
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be positive, got {cpu_threads}")
+        if cpu_threads is not None and self.model_runner.device.type == "cpu":
+            # Process-wide: a small engine sharing cores with its IO threads and clients is
+            # faster with fewer intra-op threads (idle OpenMP workers spin on those cores).
+            torch.set_num_threads(cpu_threads)
         self.model_runner.load_model(load_weights(path))
         self.num_kv_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
