@@ -9,29 +9,29 @@ outputs are consumed: a thread (`client.sync_mp_client`) or an asyncio task
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import tempfile
-import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal, TypeVar
 
 import zmq
 import zmq.asyncio
 
+from client.background_resources import (
+    CLOSE_LINGER_MS,
+    BackgroundResources,
+    EngineIdentity,
+    send_goodbye,
+)
 from client.engine_monitor import EngineMonitor
 from engine.config import EngineConfig
 from engine.core_proc import start_engine_process, stop_engine_process
 from engine.errors import EngineDeadError
 from engine.protocol import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequestType,
     EngineEndpoint,
@@ -43,14 +43,11 @@ from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-EngineIdentity = bytes
 AnyFuture = Any  # a concurrent.futures.Future (sync client) or an asyncio.Future
 
 # ZMTP heartbeats on the input connections, so a silent engine host is noticed too.
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 3000
-# How long close() lets GOODBYE messages drain.
-_CLOSE_LINGER_MS = 1000
 
 
 _Client = TypeVar("_Client", bound="MPClient")
@@ -62,126 +59,6 @@ class EngineUtilityError(RuntimeError):
 
 class EngineAttachError(RuntimeError):
     """An engine refused this client at HELLO (protocol version, client index in use)."""
-
-
-@dataclass
-class BackgroundResources:
-    """Everything a client must release; holds no reference to the client itself.
-
-    It is the client's `weakref.finalize` callback, so dropping the last reference to the client
-    closes the sockets, stops the output task or thread and the engine processes it launched.
-    """
-
-    ctx: zmq.Context
-    input_socket: zmq.Socket | None = None
-    output_socket: zmq.Socket | None = None
-    engine_monitor: EngineMonitor | None = None
-    output_queue_task: Any = None  # asyncio.Task, asyncio mode only
-    output_reader: tuple[Any, int] | None = None  # (loop, fd) the output task reads through
-    stats_update_task: Any = None  # asyncio.Task of a DP client's stats subscription
-    stats_socket: zmq.Socket | None = None  # that subscription's socket
-    output_thread: threading.Thread | None = None
-    processes: dict[int, BaseProcess] = field(default_factory=dict)
-    engine_identities: dict[int, EngineIdentity] = field(default_factory=dict)
-    dead_engines: set[int] = field(default_factory=set)
-    # (tracker, objects) of zero-copy sends: the tensors must outlive ZMQ's use of them.
-    pending_messages: deque[tuple[zmq.MessageTracker, Any]] = field(default_factory=deque)
-    notification_tasks: set[Any] = field(default_factory=set)
-    ipc_path: str | None = None  # the output socket's file, removed on close
-    is_output_done: bool = False  # the sync output thread ended: its last error is terminal
-    is_closed: bool = False
-    # Set when something (a cluster link) re-attaches engines that died: then even the death of
-    # every engine is not terminal for the client.
-    engines_can_return: bool = False
-
-    def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
-        """Checks a received message for a death notice.
-
-        Returns:
-            True for a data message; False for a repeated notice about an engine already dead.
-
-        Raises:
-            EngineDeadError: on the first notice that an engine died.
-        """
-        if len(frames) != 2 or len(frames[0]) != len(ENGINE_CORE_DEAD):
-            return True
-        if frames[0].bytes != ENGINE_CORE_DEAD:
-            return True
-        detail = frames[1].bytes
-        engine_index = int(detail) if detail.isdigit() else None
-        if engine_index is not None and engine_index in self.dead_engines:
-            return False
-        if engine_index is None:
-            self.dead_engines.update(self.engine_identities)
-        else:
-            self.dead_engines.add(engine_index)
-        raise EngineDeadError("it sent ENGINE_CORE_DEAD or disappeared", engine_index=engine_index)
-
-    def all_engines_dead(self) -> bool:
-        return self.dead_engines.issuperset(self.engine_identities)
-
-    def is_terminal(self, dead: EngineDeadError) -> bool:
-        """Whether this death ends the client's output stream for good."""
-        if dead.engine_index is None:
-            return True
-        return self.all_engines_dead() and not self.engines_can_return
-
-    def remove_output_reader(self) -> None:
-        """Unregisters the output task's FD reader (idempotent); before the socket closes.
-
-        A reader left behind on a closed FD would capture a later FD with the same number.
-        Like zmq.asyncio's own close, this may run in the thread that closes the client.
-        """
-        reader, self.output_reader = self.output_reader, None
-        if reader is not None:
-            loop, fd = reader
-            if not loop.is_closed():
-                loop.remove_reader(fd)
-
-    def add_pending(self, tracker: zmq.MessageTracker, objects: Any) -> None:
-        pending = self.pending_messages
-        while pending and pending[0][0].done:
-            pending.popleft()
-        pending.append((tracker, objects))
-
-    def __call__(self) -> None:
-        """Closes everything (idempotent): GOODBYE to engines, sockets, processes, context."""
-        if self.is_closed:
-            return
-        self.is_closed = True
-        for task in (self.output_queue_task, self.stats_update_task):
-            if task is not None and not task.done():
-                loop = task.get_loop()
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(task.cancel)
-        threads: list[threading.Thread] = []
-        if self.engine_monitor is not None:
-            self.engine_monitor.stop()
-            threads.append(self.engine_monitor)
-        if self.output_thread is not None:
-            threads.append(self.output_thread)
-        if self.input_socket is not None:
-            router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
-            for index, identity in self.engine_identities.items():
-                if index not in self.dead_engines:
-                    _send_goodbye(router, identity)
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=2)
-        self.remove_output_reader()
-        _close_socket(self.output_socket, linger=0)
-        _close_socket(self.stats_socket, linger=0)
-        _close_socket(self.input_socket, linger=_CLOSE_LINGER_MS)
-        if self.ipc_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.ipc_path)
-        for process in self.processes.values():
-            stop_engine_process(process)
-        self.processes.clear()
-        if any(t.is_alive() and t is not threading.current_thread() for t in threads):
-            logger.warning("client background threads did not stop; leaving the ZMQ context open")
-            return
-        self.ctx.term()
 
 
 class MPClient:
@@ -299,7 +176,7 @@ class MPClient:
         socket = self.ctx.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self.resources.input_socket = socket
@@ -347,7 +224,7 @@ class MPClient:
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.forget(engine_index)
         if engine_index not in self.resources.dead_engines:
-            _send_goodbye(zmq.Socket.shadow(self.input_socket.underlying), endpoint.identity)
+            send_goodbye(zmq.Socket.shadow(self.input_socket.underlying), endpoint.identity)
         self.input_socket.disconnect(endpoint.input_address)
         self._engine_index_of.pop(endpoint.identity, None)
         self.resources.engine_identities.pop(engine_index, None)
@@ -498,18 +375,3 @@ def send_hello(
                 raise
         time.sleep(delay_s)  # connection setup, not the data path
         delay_s = min(delay_s * 2, 0.05)
-
-
-def _send_goodbye(router: zmq.Socket, identity: EngineIdentity) -> None:
-    # If the engine is already unreachable, it notices the lost connection instead.
-    with contextlib.suppress(zmq.ZMQError):
-        router.send_multipart((identity, EngineCoreRequestType.GOODBYE.value), flags=zmq.NOBLOCK)
-
-
-def _close_socket(socket: zmq.Socket | None, linger: int) -> None:
-    if socket is None or socket.closed:
-        return
-    try:
-        socket.close(linger=linger)
-    except RuntimeError:  # an asyncio socket whose event loop is already closed
-        zmq.Socket.shadow(socket.underlying).close(linger=linger)

@@ -27,7 +27,8 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core_io import InputThread, Op, OutputThread
+from engine.core_io import InputThread, Op
+from engine.core_output import OutputThread
 from engine.engine_core import EngineCore
 from engine.protocol import (
     EngineCoreOutputs,

@@ -11,7 +11,8 @@ import msgspec
 import pytest
 import zmq
 
-from engine.core_io import Op, OutputThread
+from engine.core_io import Op
+from engine.core_output import OutputThread
 from engine.core_proc import EngineCoreProc, start_engine_process
 from engine.protocol import (
     ENGINE_CORE_DEAD,

@@ -7,7 +7,8 @@ import queue
 import msgspec
 import zmq
 
-from engine.core_io import Op, OutputThread
+from engine.core_io import Op
+from engine.core_output import OutputThread
 from engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,

@@ -1,0 +1,143 @@
+"""The output IO thread of an `EngineCoreProc`: encodes outputs and pushes them to their client.
+
+It owns the per-client PUSH sockets and the stats PUSH, and lends them to the busy loop while it
+is idle (`send_or_submit`). The input side — the ROUTER and the client connection state
+machine — is `engine.core_io`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Any
+
+import zmq
+
+from engine.core_io import Op
+from engine.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineStatsReport, UtilityOutput
+from engine.serial import MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+
+class OutputThread(threading.Thread):
+    """Encodes and pushes outputs to the client that owns them; sends stats reports.
+
+    The busy loop hands it work with `submit`, or with `send_or_submit`, which sends at once
+    from the calling thread when nothing submitted is still unsent: that saves a thread hop
+    (tens of microseconds) on every idle engine's reply. A lock held around every use of the
+    sockets keeps one thread at a time on them and is the memory barrier ZMQ asks for when a
+    socket changes threads; the counters keep the order of sends.
+
+    Args:
+        engine_index: stamped on the death notice.
+        work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`, `DEAD`).
+        stats_socket: a connected PUSH for stats reports, owned by this thread from now on.
+    """
+
+    def __init__(
+        self,
+        engine_index: int,
+        work_queue: queue.SimpleQueue[tuple[Any, ...]],
+        stats_socket: zmq.Socket | None,
+    ) -> None:
+        super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
+        self._engine_index = engine_index
+        self._work_queue = work_queue
+        self._stats_socket = stats_socket
+        self._encoder = MsgpackEncoder()
+        self._pushes: dict[int, zmq.Socket] = {}
+        # (tracker, frames) of zero-copy sends: the frames must outlive ZMQ's use of them.
+        self._pending: deque[tuple[zmq.MessageTracker, list[Any]]] = deque()
+        self._socket_lock = threading.Lock()
+        # Each written by one thread only (the submitter, this thread): equal when every
+        # submitted item was handled, so a send from the submitter cannot overtake one.
+        self._num_submitted = 0
+        self._num_handled = 0
+
+    def submit(self, item: tuple[Any, ...]) -> None:
+        """Queues an item for this thread. Call from one thread only (the busy loop)."""
+        self._num_submitted += 1
+        self._work_queue.put(item)
+
+    def send_or_submit(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        """Sends `outputs` from the calling thread if this one is idle, else queues them.
+
+        Call from the thread that calls `submit`.
+        """
+        if self._num_handled == self._num_submitted and self._socket_lock.acquire(blocking=False):
+            try:
+                self._send(client_index, outputs)
+            finally:
+                self._socket_lock.release()
+            return
+        self.submit((Op.SEND, client_index, outputs))
+
+    def run(self) -> None:
+        linger_ms = 0
+        try:
+            while True:
+                item = self._work_queue.get()
+                with self._socket_lock:
+                    if not self._handle(item):
+                        linger_ms = 200
+                        return
+                    self._num_handled += 1
+        except Exception:
+            logger.exception("engine %d output thread failed", self._engine_index)
+        finally:
+            with self._socket_lock:
+                for push in self._pushes.values():
+                    push.close(linger=linger_ms)
+                if self._stats_socket is not None:
+                    self._stats_socket.close(linger=0)
+
+    def _handle(self, item: tuple[Any, ...]) -> bool:
+        """Carries out one item; False after the death notice (the thread stops)."""
+        op = item[0]
+        if op == Op.SEND:
+            self._send(item[1], item[2])
+        elif op == Op.ATTACH:
+            self._pushes[item[1]] = item[2]
+            self._send(item[1], item[3])
+        elif op == Op.DETACH:
+            push = self._pushes.pop(item[1], None)
+            if push is not None:
+                push.close(linger=0)
+        elif op == Op.STATS:
+            self._send_stats(item[1])
+        elif op == Op.DEAD:
+            notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
+            for push in self._pushes.values():
+                push.send_multipart(notice)
+            # Enough for connected clients; one that is away learns from its own monitor.
+            return False
+        return True
+
+    def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        push = self._pushes.get(client_index)
+        if push is None:
+            return  # the client detached; nobody is waiting for these
+        try:
+            frames = self._encoder.encode(outputs)
+        except TypeError as e:
+            utility = outputs.utility_output
+            if utility is None:
+                raise
+            message = f"the result of this call cannot be sent: {e}"
+            outputs.utility_output = UtilityOutput(call_id=utility.call_id, failure_message=message)
+            frames = self._encoder.encode(outputs)
+        if len(frames) == 1:
+            push.send(frames[0])
+            return
+        tracker = push.send_multipart(frames, copy=False, track=True)
+        assert tracker is not None, "track=True always returns a tracker"
+        self._pending.append((tracker, frames))
+        while self._pending and self._pending[0][0].done:
+            self._pending.popleft()
+
+    def _send_stats(self, report: EngineStatsReport) -> None:
+        if self._stats_socket is not None:
+            self._stats_socket.send(self._encoder.encode(report)[0])
