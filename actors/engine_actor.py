@@ -8,6 +8,7 @@ actor binds fresh sockets under a fresh identity and registers its endpoint with
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -70,6 +71,10 @@ class EngineCoreActor:
         self._busy_loop = threading.Thread(
             target=self._run_busy_loop, name=f"shoal-busy-loop-{rank}", daemon=True
         )
+        # The model and startup objects live as long as the process: keep them out of every
+        # future garbage collection, which would otherwise scan them on the hot path.
+        gc.collect()
+        gc.freeze()
         self._busy_loop.start()
         try:
             self.incarnation: int = ray.get(registry.register_engine.remote(self.endpoint, node_ip))
