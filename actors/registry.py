@@ -33,7 +33,7 @@ ENGINE_WATCH_METHOD = "wait_for_exit"
 _UNAVAILABLE_RETRY_S = 0.2
 
 
-class RankState(str, enum.Enum):
+class RankState(enum.StrEnum):
     """Life of one rank. STARTING → READY → (DEAD → READY)* → LEAVING → removed."""
 
     STARTING = "starting"  # actor created, engine not yet bound
@@ -238,7 +238,7 @@ class RegistryActor:
                 break
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         return await self.membership()
 

@@ -114,11 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="replays per policy, interleaved")
     parser.add_argument("--record", action="store_true", help="regenerate the trace file")
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="replay the arrivals this many times faster"
+    )
     args = parser.parse_args()
     if args.record or not TRACE.exists():
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps([e.__dict__ for e in record_trace()], indent=0))
-    trace = load_trace()
+    trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in load_trace()]
     print(
         f"trace: {len(trace)} requests over {trace[-1].at:.0f} s, prompt tokens "
         f"p50 {statistics.median(e.prompt_tokens for e in trace):.0f} max "

@@ -9,6 +9,7 @@ load balancing) hook in by defining those methods; this class knows nothing of r
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 import weakref
 from collections.abc import Awaitable, Sequence
@@ -19,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from client.mp_client import (
+    HELLO_RESEND_S,
     BackgroundResources,
     EngineAttachError,
     EngineIdentity,
@@ -39,6 +41,8 @@ from engine.protocol import (
     EngineEndpoint,
     EngineFacts,
 )
+
+logger = logging.getLogger(__name__)
 
 # While a backlog is drained, the consumers get a turn after this many frames: fewer turns
 # cost the output task less per frame, more let outputs pile up unconsumed.
@@ -387,17 +391,20 @@ class AsyncMPClient(MPClient):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._hello_timeout_s
         router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
-        while True:  # connection setup, not the data path
-            try:
-                send_hello(router, endpoint.identity, message, deadline=0.0)
-                break
-            except zmq.ZMQError:
-                if loop.time() > deadline:
-                    self.remove_engine(endpoint.engine_index)
-                    raise
-                await asyncio.sleep(0.005)
         try:
-            facts = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+            await _send_hello_async(router, endpoint.identity, message, deadline)
+            while True:  # a lost HELLO or answer is asked again, as in `_attach_blocking`
+                wait_s = min(HELLO_RESEND_S, max(0.0, deadline - loop.time()))
+                try:
+                    facts = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                    break
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                logger.warning(
+                    "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
+                )
+                await _send_hello_async(router, endpoint.identity, message, deadline)
         except EngineUtilityError as e:
             self.remove_engine(endpoint.engine_index)
             raise EngineAttachError(
@@ -408,5 +415,23 @@ class AsyncMPClient(MPClient):
             raise TimeoutError(
                 f"engine {endpoint.engine_index} did not answer HELLO in time"
             ) from None
+        except zmq.ZMQError:
+            self.remove_engine(endpoint.engine_index)
+            raise
         self.engine_facts[endpoint.engine_index] = facts
         return facts
+
+
+async def _send_hello_async(
+    router: zmq.Socket, identity: EngineIdentity, message: tuple[Any, ...], deadline: float
+) -> None:
+    """Sends HELLO without blocking the loop, retrying while the connection is being set up."""
+    loop = asyncio.get_running_loop()
+    while True:  # connection setup, not the data path
+        try:
+            send_hello(router, identity, message, deadline=0.0)
+            return
+        except zmq.ZMQError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.005)

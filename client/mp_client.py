@@ -50,6 +50,9 @@ _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 3000
 
 
+# How long to wait for an engine's HELLO answer before asking again.
+HELLO_RESEND_S = 2.0
+
 _Client = TypeVar("_Client", bound="MPClient")
 
 
@@ -279,25 +282,37 @@ class MPClient:
         router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
         pull: zmq.Socket = zmq.Socket.shadow(self.output_socket.underlying)
         deadline = time.monotonic() + self._hello_timeout_s
-        waiting: dict[int, EngineEndpoint] = {}
+        waiting: dict[int, tuple[EngineEndpoint, tuple[Any, ...]]] = {}
         for endpoint, process in engines:
             self._connect_engine(endpoint, process)
             call_id, message = self._hello_message()
             send_hello(router, endpoint.identity, message, deadline)
-            waiting[call_id] = endpoint
+            waiting[call_id] = (endpoint, message)
+        # A HELLO (or its answer) lost on a connection that was being set up is asked again;
+        # the engine answers a repeated HELLO from the same connection again.
+        resend_at = time.monotonic() + HELLO_RESEND_S
         while waiting:
-            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not pull.poll(timeout_ms):
-                names = sorted(e.engine_index for e in waiting.values())
+            now = time.monotonic()
+            if now >= deadline:
+                names = sorted(e.engine_index for e, _ in waiting.values())
                 raise TimeoutError(f"engines {names} did not answer HELLO in time")
+            if now >= resend_at:
+                for endpoint, message in waiting.values():
+                    logger.warning(
+                        "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
+                    )
+                    send_hello(router, endpoint.identity, message, deadline)
+                resend_at = now + HELLO_RESEND_S
+            if not pull.poll(max(1, int((min(deadline, resend_at) - now) * 1000))):
+                continue
             frames = pull.recv_multipart(copy=False)
             if not self.resources.validate_alive(frames):
                 continue
             utility = self.decoder.decode(frames).utility_output
             if utility is None or utility.call_id not in waiting:
-                logger.warning("dropped an unexpected message during the HELLO handshake")
+                logger.debug("dropped an unexpected message during the HELLO handshake")
                 continue
-            self._on_hello_reply(waiting.pop(utility.call_id), utility)
+            self._on_hello_reply(waiting.pop(utility.call_id)[0], utility)
 
     def _check_engine(self, engine: EngineIdentity) -> int:
         """The index of a live attached engine; raises EngineDeadError otherwise."""

@@ -7,16 +7,27 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from client.core_client import AsyncMPClient, SyncMPClient
 from engine.core_proc import start_engine_process, stop_engine_process
 from engine.errors import EngineDeadError
+from engine.protocol import (
+    EngineCoreOutputs,
+    EngineEndpoint,
+    EngineFacts,
+    EngineHello,
+    UtilityOutput,
+    UtilityResult,
+)
+from engine.serial import MsgpackDecoder, MsgpackEncoder, tag_structs
 from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
@@ -192,3 +203,49 @@ def test_killed_client_has_its_requests_aborted_and_blocks_freed_within_five_sec
             if victim.poll() is None:
                 victim.kill()
             observer.shutdown()
+
+
+def test_a_lost_hello_answer_is_asked_for_again(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine whose first HELLO answer never arrives is asked again, then attaches.
+
+    The peer here is a bare ROUTER speaking the wire protocol that drops the first HELLO, a
+    fault a real engine cannot be made to produce on demand.
+    """
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    identity = b"lossy-engine"
+    hellos: list[int] = []
+
+    def serve() -> None:
+        decoder, encoder = MsgpackDecoder(EngineHello), MsgpackEncoder()
+        push = ctx.socket(zmq.PUSH)
+        while len(hellos) < 2 and router.poll(10_000):
+            _, _, *payload = router.recv_multipart()
+            hello = decoder.decode(payload)
+            hellos.append(hello.call_id)
+            if len(hellos) == 1:
+                continue  # lost
+            facts = EngineFacts(0, identity, "m", 128, 8, 16, 100)
+            reply = EngineCoreOutputs(
+                utility_output=UtilityOutput(
+                    hello.call_id, result=UtilityResult(tag_structs(facts))
+                )
+            )
+            push.connect(hello.output_address)
+            push.send_multipart(encoder.encode(reply))
+        push.close(linger=1000)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    endpoint = EngineEndpoint(0, identity, f"tcp://127.0.0.1:{port}")
+    client = SyncMPClient([endpoint], hello_timeout_s=20)
+    try:
+        assert client.engine_facts[0].identity == identity
+        assert len(hellos) == 2 and hellos[0] == hellos[1]  # the same HELLO, sent again
+        assert "has not answered HELLO yet; asking again" in caplog.text
+    finally:
+        client.shutdown()
+        thread.join(timeout=5)
+        router.close(linger=0)
+        ctx.term()
