@@ -117,11 +117,18 @@ def main() -> None:
     parser.add_argument(
         "--speed", type=float, default=1.0, help="replay the arrivals this many times faster"
     )
+    parser.add_argument("--hidden-size", type=int, default=512, help="the bench model's width")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="each rank's token budget per step",
+    )
     args = parser.parse_args()
     if args.record or not TRACE.exists():
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps([e.__dict__ for e in record_trace()], indent=0))
-    trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in load_trace()]
+    trace = load_trace()
     print(
         f"trace: {len(trace)} requests over {trace[-1].at:.0f} s, prompt tokens "
         f"p50 {statistics.median(e.prompt_tokens for e in trace):.0f} max "
@@ -130,13 +137,23 @@ def main() -> None:
         f"{max(e.output_tokens for e in trace)}"
     )
     ray.init(num_cpus=NUM_RANKS, include_dashboard=False, log_to_driver=False)
-    checkpoint = make_tiny_checkpoint(Path("/tmp/shoal-bench-lb"), "llama", hidden_size=256,
-                                      num_layers=4, intermediate_size=768, max_position_embeddings=2048)  # fmt: skip
+    # Big enough that a step's cost grows with the tokens in it (prefill is real work), small
+    # enough for four ranks on a laptop-class CPU.
+    checkpoint = make_tiny_checkpoint(
+        Path("/tmp/shoal-bench-lb"),
+        "llama",
+        hidden_size=args.hidden_size,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=3 * args.hidden_size,
+        max_position_embeddings=2048,
+    )
     config = EngineConfig.from_kwargs(
         checkpoint,
         data_parallel_size=NUM_RANKS,
         enable_prefix_caching=False,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=1024,
     )
     cluster = launch(
@@ -144,6 +161,7 @@ def main() -> None:
     )
     results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in POLICIES}
     try:
+        trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in trace]
         for _ in range(args.rounds):
             for name, policy in POLICIES.items():
                 ttfts, e2es = asyncio.run(replay(cluster.namespace, policy, trace))

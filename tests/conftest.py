@@ -7,8 +7,12 @@ import os
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+from tests.engine.core_proc_utils import ServedEngine, running_engine, tiny_checkpoint, tiny_config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -20,3 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def engine_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama checkpoint the transport and client tests serve."""
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture
+def engine(engine_checkpoint: str) -> Iterator[ServedEngine]:
+    """One `EngineCoreProc` on real sockets, serving `engine_checkpoint`, stopped after the test."""
+    with running_engine(tiny_config(engine_checkpoint)) as served:
+        yield served

@@ -37,22 +37,10 @@ from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
     running_engine,
-    tiny_checkpoint,
     tiny_config,
 )
 
 TIMEOUT_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture
-def engine(checkpoint: str):
-    with running_engine(tiny_config(checkpoint)) as served:
-        yield served
 
 
 async def collect(
@@ -350,8 +338,10 @@ async def test_add_request_sets_the_client_index(engine: ServedEngine) -> None:
         client.shutdown()
 
 
-def _reference_tokens(checkpoint: str, requests: list[EngineCoreRequest]) -> dict[str, list[int]]:
-    core = EngineCore(tiny_config(checkpoint, num_gpu_blocks_override=256))
+def _reference_tokens(
+    engine_checkpoint: str, requests: list[EngineCoreRequest]
+) -> dict[str, list[int]]:
+    core = EngineCore(tiny_config(engine_checkpoint, num_gpu_blocks_override=256))
     for r in requests:
         core.add_request(msgspec.structs.replace(r))
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
@@ -362,7 +352,9 @@ def _reference_tokens(checkpoint: str, requests: list[EngineCoreRequest]) -> dic
     return tokens
 
 
-async def test_many_concurrent_requests_each_get_exactly_their_own_tokens(checkpoint: str) -> None:
+async def test_many_concurrent_requests_each_get_exactly_their_own_tokens(
+    engine_checkpoint: str,
+) -> None:
     rng = random.Random(0)
     requests = [
         request(
@@ -372,8 +364,8 @@ async def test_many_concurrent_requests_each_get_exactly_their_own_tokens(checkp
         )
         for i in range(100)
     ]
-    expected = _reference_tokens(checkpoint, requests)
-    with running_engine(tiny_config(checkpoint, num_gpu_blocks_override=256)) as served:
+    expected = _reference_tokens(engine_checkpoint, requests)
+    with running_engine(tiny_config(engine_checkpoint, num_gpu_blocks_override=256)) as served:
         client = AsyncMPClient([served.endpoint])
         try:
             await asyncio.gather(*(client.add_request_async(r) for r in requests))
@@ -436,10 +428,10 @@ async def test_clients_never_see_each_others_outputs_and_late_ones_are_served(
 
 
 async def test_one_dead_engine_fails_alone_and_the_task_ends_when_all_are_dead(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    zero = ServedEngine(tiny_config(checkpoint), engine_index=0)
-    one = ServedEngine(tiny_config(checkpoint), engine_index=1)
+    zero = ServedEngine(tiny_config(engine_checkpoint), engine_index=0)
+    one = ServedEngine(tiny_config(engine_checkpoint), engine_index=1)
     client = AsyncMPClient([zero.endpoint, one.endpoint])
     try:
         assert set(client.engine_facts) == {0, 1}
@@ -471,10 +463,10 @@ async def test_one_dead_engine_fails_alone_and_the_task_ends_when_all_are_dead(
         one.stop()
 
 
-async def test_engines_are_added_and_removed_while_serving(checkpoint: str) -> None:
+async def test_engines_are_added_and_removed_while_serving(engine_checkpoint: str) -> None:
     with (
-        running_engine(tiny_config(checkpoint), engine_index=0) as zero,
-        running_engine(tiny_config(checkpoint), engine_index=1) as one,
+        running_engine(tiny_config(engine_checkpoint), engine_index=0) as zero,
+        running_engine(tiny_config(engine_checkpoint), engine_index=1) as one,
     ):
         client = AsyncMPClient([zero.endpoint])
         try:
@@ -502,9 +494,9 @@ async def test_engines_are_added_and_removed_while_serving(checkpoint: str) -> N
 
 
 async def test_removing_an_engine_tells_the_consumer_its_requests_are_lost(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    with running_engine(tiny_config(checkpoint), engine_index=0) as zero:
+    with running_engine(tiny_config(engine_checkpoint), engine_index=0) as zero:
         client = AsyncMPClient([zero.endpoint])
         try:
             await client.add_request_async(request("long", max_tokens=200), zero.endpoint.identity)
@@ -521,9 +513,9 @@ async def test_removing_an_engine_tells_the_consumer_its_requests_are_lost(
 
 
 async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    first = ServedEngine(tiny_config(checkpoint), engine_index=0)
+    first = ServedEngine(tiny_config(engine_checkpoint), engine_index=0)
     client = AsyncMPClient([first.endpoint])
     client.resources.engines_can_return = True
     try:
@@ -535,7 +527,7 @@ async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
         task = client.resources.output_queue_task
         assert task is not None and not task.done()
         client.remove_engine(0)
-        with running_engine(tiny_config(checkpoint), engine_index=0) as second:
+        with running_engine(tiny_config(engine_checkpoint), engine_index=0) as second:
             await client.add_engine_async(second.endpoint)
             await client.add_request_async(request("again", max_tokens=2), second.endpoint.identity)
             assert (await collect(client, {"again"}))["again"][-1].finished

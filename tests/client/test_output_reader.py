@@ -11,23 +11,9 @@ from client.core_client import AsyncMPClient
 from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
-    running_engine,
-    tiny_checkpoint,
-    tiny_config,
 )
 
 TIMEOUT_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture
-def engine(checkpoint: str):
-    with running_engine(tiny_config(checkpoint)) as served:
-        yield served
 
 
 async def _finishes(client: AsyncMPClient, request_id: str) -> bool:

@@ -16,21 +16,9 @@ from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
     running_engine,
-    tiny_checkpoint,
     tiny_config,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture
-def engine(checkpoint: str):
-    with running_engine(tiny_config(checkpoint)) as served:
-        yield served
 
 
 def collect(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[EngineCoreOutput]]:
@@ -88,10 +76,10 @@ def test_a_second_client_with_the_same_index_is_refused(engine: ServedEngine) ->
         first.shutdown()
 
 
-def test_engines_are_added_and_removed_at_run_time(checkpoint: str) -> None:
+def test_engines_are_added_and_removed_at_run_time(engine_checkpoint: str) -> None:
     with (
-        running_engine(tiny_config(checkpoint), engine_index=0) as zero,
-        running_engine(tiny_config(checkpoint), engine_index=5) as five,
+        running_engine(tiny_config(engine_checkpoint), engine_index=0) as zero,
+        running_engine(tiny_config(engine_checkpoint), engine_index=5) as five,
     ):
         client = SyncMPClient([zero.endpoint])
         try:
@@ -110,8 +98,8 @@ def test_engines_are_added_and_removed_at_run_time(checkpoint: str) -> None:
             client.shutdown()
 
 
-def test_engine_death_fails_waiters_and_later_calls(checkpoint: str) -> None:
-    served = ServedEngine(tiny_config(checkpoint), engine_index=2)
+def test_engine_death_fails_waiters_and_later_calls(engine_checkpoint: str) -> None:
+    served = ServedEngine(tiny_config(engine_checkpoint), engine_index=2)
     client = SyncMPClient([served.endpoint])
     try:
         client.add_request(request("cut", max_tokens=200))
@@ -149,8 +137,8 @@ def test_close_wakes_the_consumer_and_dropping_the_client_stops_its_thread(
 
 
 @pytest.mark.slow
-def test_make_local_launches_the_engine_process_and_close_stops_it(checkpoint: str) -> None:
-    client = SyncMPClient.make_local(tiny_config(checkpoint), engine_index=1)
+def test_make_local_launches_the_engine_process_and_close_stops_it(engine_checkpoint: str) -> None:
+    client = SyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=1)
     process = client.resources.processes[1]
     try:
         assert process.is_alive()

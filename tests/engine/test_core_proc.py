@@ -32,24 +32,12 @@ from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
     running_engine,
-    tiny_checkpoint,
     tiny_config,
     wait_until,
 )
 
 ADD = EngineCoreRequestType.ADD
 UTILITY = EngineCoreRequestType.UTILITY
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture
-def engine(checkpoint: str):
-    with running_engine(tiny_config(checkpoint)) as served:
-        yield served
 
 
 @pytest.fixture
@@ -305,14 +293,14 @@ def test_a_client_cannot_abort_another_clients_request(engine: ServedEngine, pee
 
 @pytest.mark.slow
 def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idle(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     decoder = msgspec.msgpack.Decoder(EngineStatsReport)
     try:
-        config = tiny_config(checkpoint)
+        config = tiny_config(engine_checkpoint)
         with running_engine(
             config, engine_index=3, stats_address=f"tcp://127.0.0.1:{port}"
         ) as served:
@@ -340,12 +328,12 @@ def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idl
 
 
 @pytest.mark.slow
-def test_stats_heartbeat_keeps_its_pace_while_utility_calls_arrive(checkpoint: str) -> None:
+def test_stats_heartbeat_keeps_its_pace_while_utility_calls_arrive(engine_checkpoint: str) -> None:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
-        config = tiny_config(checkpoint)
+        config = tiny_config(engine_checkpoint)
         with running_engine(config, stats_address=f"tcp://127.0.0.1:{port}") as served:
             peer = RawPeer(served.endpoint)
             peer.hello()
@@ -365,8 +353,8 @@ def test_stats_heartbeat_keeps_its_pace_while_utility_calls_arrive(checkpoint: s
         ctx.destroy(linger=0)
 
 
-def test_fatal_error_tells_every_client_and_ends_the_loop(checkpoint: str) -> None:
-    served = ServedEngine(tiny_config(checkpoint), engine_index=4)
+def test_fatal_error_tells_every_client_and_ends_the_loop(engine_checkpoint: str) -> None:
+    served = ServedEngine(tiny_config(engine_checkpoint), engine_index=4)
     first, second = RawPeer(served.endpoint, 0), RawPeer(served.endpoint, 1)
     try:
         first.hello()
@@ -388,14 +376,14 @@ def test_fatal_error_tells_every_client_and_ends_the_loop(checkpoint: str) -> No
         served.stop()
 
 
-def test_shutdown_before_the_loop_runs_and_from_another_thread(checkpoint: str) -> None:
-    proc = EngineCoreProc(tiny_config(checkpoint), transport="ipc")
+def test_shutdown_before_the_loop_runs_and_from_another_thread(engine_checkpoint: str) -> None:
+    proc = EngineCoreProc(tiny_config(engine_checkpoint), transport="ipc")
     assert proc.input_address.startswith("ipc://")
     proc.shutdown()
     proc.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         proc.run_busy_loop()
-    with running_engine(tiny_config(checkpoint), transport="ipc") as served:
+    with running_engine(tiny_config(engine_checkpoint), transport="ipc") as served:
         peer = RawPeer(served.endpoint)
         try:
             peer.hello()
