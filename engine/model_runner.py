@@ -27,10 +27,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """ "auto" -> cuda when available, else cpu."""
+    """ "auto" -> cuda when available, else cpu.
+
+    Raises:
+        ValueError: a CUDA device was asked for and this torch cannot reach one.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} was asked for, but torch {torch.__version__} sees no CUDA "
+            "device (use device='cpu' or 'auto')"
+        )
+    return resolved
 
 
 def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device) -> torch.dtype:
@@ -58,7 +68,7 @@ class ModelRunner:
         scheduler_config: per-step token limit (sizes the persistent input buffers).
         arch: the checkpoint's architecture facts.
         max_model_len: longest sequence served (sizes the rotary table).
-        device: "cpu", "cuda", "cuda:N" or "auto".
+        device: "cpu", "cuda", "cuda:N" or "auto"; default: `model_config.device`.
     """
 
     def __init__(
@@ -69,12 +79,12 @@ class ModelRunner:
         arch: ModelArch,
         *,
         max_model_len: int,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
     ):
         self.arch = arch
         self.cache_config = cache_config
         self.max_model_len = max_model_len
-        self.device = resolve_device(device)
+        self.device = resolve_device(model_config.device if device is None else device)
         self.dtype = resolve_dtype(model_config.dtype, arch, self.device)
         self.block_size = cache_config.block_size
         self.model: LlamaForCausalLM | None = None

@@ -97,6 +97,7 @@ def make_runner(
     dtype: str = "float32",
     max_num_batched_tokens: int = 512,
     weights: dict[str, torch.Tensor] | None = None,
+    device: str = "cpu",
 ) -> ModelRunner:
     """A runner with `hf_model`'s weights (or `weights`) loaded and `num_blocks` KV blocks."""
     arch = arch_from_hf(hf_model)
@@ -106,6 +107,7 @@ def make_runner(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         arch,
         max_model_len=arch.max_position_embeddings,
+        device=device,
     )
     runner.load_model((weights if weights is not None else hf_model.state_dict()).items())
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -120,7 +122,7 @@ class RecordingSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         for row, request in enumerate(requests):
-            self.logits.setdefault(request.request_id, []).append(logits[row].clone())
+            self.logits.setdefault(request.request_id, []).append(logits[row].float().cpu())
         return super().__call__(logits, requests)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -87,3 +88,11 @@ def test_collective_rpc_reaches_only_public_runner_methods(core: EngineCore) -> 
         core.collective_rpc("_private")
     with pytest.raises(AttributeError, match="no public method"):
         core.collective_rpc("does_not_exist")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_the_device_setting_is_honoured(engine_checkpoint: str) -> None:
+    cpu = EngineCore(EngineConfig.from_kwargs(engine_checkpoint, device="cpu"))
+    assert cpu.model_runner.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"'cuda' was asked for.*sees no CUDA device"):
+        EngineCore(EngineConfig.from_kwargs(engine_checkpoint, device="cuda"))

@@ -1,0 +1,97 @@
+"""The model runner on a CUDA device: HF parity in fp32, a sane bf16 run, and the engine core end
+to end. Skipped without a GPU (the `gpu` marker); CI machines have none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine_core import EngineCore
+from engine.protocol import EngineCoreRequest, SamplingParams
+from tests.engine.core_proc_utils import tiny_config
+from tests.engine.model_utils import (
+    ARCHITECTURES,
+    BlockPool,
+    Driver,
+    RecordingSampler,
+    assert_greedy_matches,
+    hf_greedy,
+    make_hf_model,
+    make_request,
+    make_runner,
+    random_prompts,
+)
+
+pytestmark = pytest.mark.gpu
+
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_cuda_greedy_matches_hf_on_the_cpu(architecture: str) -> None:
+    hf_model = make_hf_model(architecture)
+    runner = make_runner(hf_model, device="cuda")
+    assert runner.device.type == "cuda"
+    recorder = RecordingSampler()
+    runner.sampler = recorder
+    prompts = random_prompts([5, 17, 33, 9, 1])
+    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+    tokens = Driver(runner, BlockPool(runner.num_blocks)).generate(requests, MAX_NEW_TOKENS)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        assert_greedy_matches(tokens[f"r{i}"], recorder.logits[f"r{i}"], ref_tokens, ref_logits)
+
+
+def test_bf16_on_cuda_stays_close_to_fp32() -> None:
+    hf_model = make_hf_model("LlamaForCausalLM")
+    prompts = random_prompts([24, 7])
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = make_runner(hf_model, device="cuda", dtype=dtype)
+        recorder = RecordingSampler()
+        runner.sampler = recorder
+        requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+        Driver(runner, BlockPool(runner.num_blocks)).generate(requests, 1)
+        logits[dtype] = torch.stack([recorder.logits[f"r{i}"][0] for i in range(len(prompts))])
+    assert torch.isfinite(logits["bfloat16"]).all()
+    torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.1, rtol=0.05)
+
+
+def test_engine_core_on_cuda_gives_the_same_tokens_alone_and_batched(
+    engine_checkpoint: str,
+) -> None:
+    core = EngineCore(tiny_config(engine_checkpoint, device="cuda"))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {
+        f"r{i}": [(7 * i + 13 * j) % 200 + 1 for j in range(n)] for i, n in enumerate([40, 3, 17])
+    }
+
+    def run(request_ids: list[str]) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        for rid in request_ids:
+            core.add_request(
+                EngineCoreRequest(
+                    request_id=f"{rid}-{len(request_ids)}",
+                    prompt_token_ids=prompts[rid],
+                    sampling_params=params,
+                    arrival_time=0.0,
+                )
+            )
+        finished = 0
+        while finished < len(request_ids):
+            for outputs in core.step().values():
+                for out in outputs.outputs:
+                    rid = out.request_id.rsplit("-", 1)[0]
+                    tokens[rid] += out.new_token_ids
+                    finished += out.finish_reason is not None
+        return tokens
+
+    batched = run(list(prompts))
+    for rid in prompts:
+        assert run([rid]) == {rid: batched[rid]}
