@@ -5,7 +5,7 @@ through `DPLBAsyncMPClient` with shoal's least-loaded policy, with round-robin, 
 vLLM's published score (4 * waiting + running), against the same four-rank cluster in the
 same run, and prints p50/p99 time to first token and end-to-end latency for each.
 
-    .venv/bin/python bench/load_balance.py [--rounds 2] [--record]
+    .venv/bin/python bench/load_balance.py [--rounds 2] [--speed 1.0] [--num-ranks 4] [--record]
 
 `--record` regenerates the trace from its seed (it is committed so every run replays the
 same arrivals).
@@ -39,7 +39,6 @@ POLICIES = {
     "round-robin": "round_robin",
     "vLLM 4*waiting+running": "queue_length",
 }
-NUM_RANKS = 4
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,9 @@ def main() -> None:
     parser.add_argument(
         "--speed", type=float, default=1.0, help="replay the arrivals this many times faster"
     )
+    parser.add_argument(
+        "--num-ranks", type=int, default=4, help="data-parallel ranks (the target is for four)"
+    )
     parser.add_argument("--hidden-size", type=int, default=512, help="the bench model's width")
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -136,7 +138,7 @@ def main() -> None:
         f"{statistics.median(e.output_tokens for e in trace):.0f} max "
         f"{max(e.output_tokens for e in trace)}"
     )
-    ray.init(num_cpus=NUM_RANKS, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.num_ranks, include_dashboard=False, log_to_driver=False)
     # Big enough that a step's cost grows with the tokens in it (prefill is real work), small
     # enough for four ranks on a laptop-class CPU.
     checkpoint = make_tiny_checkpoint(
@@ -151,7 +153,7 @@ def main() -> None:
     )
     config = EngineConfig.from_kwargs(
         checkpoint,
-        data_parallel_size=NUM_RANKS,
+        data_parallel_size=args.num_ranks,
         enable_prefix_caching=False,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=1024,
