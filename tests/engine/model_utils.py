@@ -224,3 +224,24 @@ def assert_greedy_matches(
             top2 = ref_logits[step].topk(2).values
             assert top2[0] - top2[1] < 1e-3, f"step {step}: token {a} != {b} with a clear margin"
             return
+
+
+def greedy_generate(
+    runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[dict[str, list[int]], RecordingSampler]:
+    """Greedy tokens of requests "r0", "r1", ... run together, and the logits behind them."""
+    recorder = RecordingSampler()
+    runner.sampler = recorder
+    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+    tokens = Driver(runner, BlockPool(runner.num_blocks)).generate(requests, max_new_tokens)
+    return tokens, recorder
+
+
+def assert_runner_matches_hf(
+    hf_model: Any, runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int = 8
+) -> None:
+    """`runner` (any device) and HF's greedy `generate` agree on every prompt, run together."""
+    tokens, recorder = greedy_generate(runner, prompts, max_new_tokens)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, max_new_tokens)
+        assert_greedy_matches(tokens[f"r{i}"], recorder.logits[f"r{i}"], ref_tokens, ref_logits)

@@ -11,20 +11,14 @@ from engine.protocol import EngineCoreRequest, SamplingParams
 from tests.engine.core_proc_utils import tiny_config
 from tests.engine.model_utils import (
     ARCHITECTURES,
-    BlockPool,
-    Driver,
-    RecordingSampler,
-    assert_greedy_matches,
-    hf_greedy,
+    assert_runner_matches_hf,
+    greedy_generate,
     make_hf_model,
-    make_request,
     make_runner,
     random_prompts,
 )
 
 pytestmark = pytest.mark.gpu
-
-MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +32,7 @@ def test_cuda_greedy_matches_hf_on_the_cpu(architecture: str) -> None:
     hf_model = make_hf_model(architecture)
     runner = make_runner(hf_model, device="cuda")
     assert runner.device.type == "cuda"
-    recorder = RecordingSampler()
-    runner.sampler = recorder
-    prompts = random_prompts([5, 17, 33, 9, 1])
-    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
-    tokens = Driver(runner, BlockPool(runner.num_blocks)).generate(requests, MAX_NEW_TOKENS)
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert_greedy_matches(tokens[f"r{i}"], recorder.logits[f"r{i}"], ref_tokens, ref_logits)
+    assert_runner_matches_hf(hf_model, runner, random_prompts([5, 17, 33, 9, 1]))
 
 
 def test_bf16_on_cuda_stays_close_to_fp32() -> None:
@@ -54,10 +41,7 @@ def test_bf16_on_cuda_stays_close_to_fp32() -> None:
     logits = {}
     for dtype in ("float32", "bfloat16"):
         runner = make_runner(hf_model, device="cuda", dtype=dtype)
-        recorder = RecordingSampler()
-        runner.sampler = recorder
-        requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
-        Driver(runner, BlockPool(runner.num_blocks)).generate(requests, 1)
+        _, recorder = greedy_generate(runner, prompts, 1)
         logits[dtype] = torch.stack([recorder.logits[f"r{i}"][0] for i in range(len(prompts))])
     assert torch.isfinite(logits["bfloat16"]).all()
     torch.testing.assert_close(logits["bfloat16"], logits["float32"], atol=0.1, rtol=0.05)

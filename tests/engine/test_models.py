@@ -12,41 +12,19 @@ from engine.models.layers import rope_inv_freq
 from engine.models.mixtral import MixtralMoE
 from tests.engine.model_utils import (
     ARCHITECTURES,
-    BlockPool,
-    Driver,
-    RecordingSampler,
     arch_from_hf,
-    assert_greedy_matches,
-    hf_greedy,
+    assert_runner_matches_hf,
     make_hf_model,
-    make_request,
     make_runner,
     random_prompts,
 )
-
-MAX_NEW_TOKENS = 8
-
-
-def _generate(runner, prompts: list[list[int]]) -> tuple[dict[str, list[int]], RecordingSampler]:
-    recorder = RecordingSampler()
-    runner.sampler = recorder
-    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
-    tokens = Driver(runner, BlockPool(runner.num_blocks)).generate(requests, MAX_NEW_TOKENS)
-    return tokens, recorder
-
-
-def _assert_matches_hf(hf_model, runner, prompts: list[list[int]]) -> None:
-    tokens, recorder = _generate(runner, prompts)
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
-        assert_greedy_matches(tokens[f"r{i}"], recorder.logits[f"r{i}"], ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_matches_hf_generate(architecture: str) -> None:
     hf_model = make_hf_model(architecture)
     runner = make_runner(hf_model)
-    _assert_matches_hf(hf_model, runner, random_prompts([5, 17, 33, 9, 1]))
+    assert_runner_matches_hf(hf_model, runner, random_prompts([5, 17, 33, 9, 1]))
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MixtralForCausalLM"])
@@ -57,7 +35,7 @@ def test_unpacked_weights_match_hf(architecture: str, monkeypatch: pytest.Monkey
     runner = make_runner(hf_model)
     assert runner.model is not None
     assert all(m.packed is None for m in runner.model.modules() if hasattr(m, "packed"))
-    _assert_matches_hf(hf_model, runner, random_prompts([7, 12], seed=1))
+    assert_runner_matches_hf(hf_model, runner, random_prompts([7, 12], seed=1))
 
 
 def test_tied_embeddings_without_lm_head_tensor() -> None:
@@ -68,7 +46,7 @@ def test_tied_embeddings_without_lm_head_tensor() -> None:
     make_runner(hf_model)
     weights = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     runner = make_runner(hf_model, weights=weights)  # as a saved tied checkpoint has it
-    _assert_matches_hf(hf_model, runner, random_prompts([6, 11], seed=2))
+    assert_runner_matches_hf(hf_model, runner, random_prompts([6, 11], seed=2))
 
 
 @pytest.mark.parametrize(
@@ -94,7 +72,7 @@ def test_rope_scaling_matches_hf(scaling: dict[str, object]) -> None:
     assert not torch.equal(
         rope_inv_freq(32, 500000.0, arch.rope_scaling), rope_inv_freq(32, 500000.0, None)
     )
-    _assert_matches_hf(hf_model, make_runner(hf_model), random_prompts([70, 40], seed=3))
+    assert_runner_matches_hf(hf_model, make_runner(hf_model), random_prompts([70, 40], seed=3))
 
 
 def test_unsupported_rope_scaling_is_a_load_error() -> None:
@@ -108,7 +86,7 @@ def test_mixtral_loads_saved_per_expert_names(tmp_path) -> None:
     saved = load_file(tmp_path / "model.safetensors")
     assert any(".block_sparse_moe.experts.0.w1.weight" in name for name in saved)
     runner = make_runner(hf_model, weights=saved)
-    _assert_matches_hf(hf_model, runner, random_prompts([9, 14], seed=4))
+    assert_runner_matches_hf(hf_model, runner, random_prompts([9, 14], seed=4))
 
 
 def test_mixtral_expert_ranges_sum_to_the_full_layer() -> None:
