@@ -19,6 +19,7 @@ from engine.models.layers import (
     Linear,
     WeightMap,
     empty_param,
+    is_worth_packing,
     pack_weight,
     packed_linear,
     silu_and_mul,
@@ -102,7 +103,9 @@ class MixtralExperts(nn.Module):
         return F.linear(x, self.w2[local])
 
     def pack(self) -> None:
-        """Per-expert oneDNN-packed weights replace the dense ones (CPU)."""
+        """Per-expert oneDNN-packed weights replace the dense ones (CPU), when large enough."""
+        if not is_worth_packing(self.w2[0]):
+            return
         self.packed = [
             (pack_weight(a), pack_weight(b)) for a, b in zip(self.w13, self.w2, strict=True)
         ]

@@ -28,13 +28,19 @@ def test_greedy_matches_hf_generate(architecture: str) -> None:
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MixtralForCausalLM"])
-def test_unpacked_weights_match_hf(architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The dense F.linear path (CUDA, or CPU without oneDNN) must agree too.
-    monkeypatch.setattr("engine.model_runner.can_pack_weights", lambda device, dtype: False)
+@pytest.mark.parametrize("is_packed", [False, True], ids=["dense", "onednn-packed"])
+def test_dense_and_packed_weights_match_hf(
+    architecture: str, is_packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tiny weights stay dense on their own; packing them anyway covers oneDNN's path, which the
+    # real models take. The dense path is what CUDA, and a CPU without oneDNN, run.
+    if is_packed:
+        monkeypatch.setattr("engine.models.layers.MIN_PACKED_WEIGHT_NUMEL", 0)
     hf_model = make_hf_model(architecture)
     runner = make_runner(hf_model)
     assert runner.model is not None
-    assert all(m.packed is None for m in runner.model.modules() if hasattr(m, "packed"))
+    packable = [m for m in runner.model.modules() if hasattr(m, "packed")]
+    assert packable and all((m.packed is not None) == is_packed for m in packable)
     assert_runner_matches_hf(hf_model, runner, random_prompts([7, 12], seed=1))
 
 
