@@ -20,42 +20,23 @@ from engine.engine_core import EngineCore
 from engine.errors import EngineDeadError
 from engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineFacts,
     FinishReason,
     SchedulerStats,
     UtilityOutput,
     UtilityResult,
 )
 from engine.serial import MsgpackEncoder
+from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import (
     NUM_BLOCKS,
-    RawPeer,
     ServedEngine,
     request,
     running_engine,
     tiny_config,
 )
-
-TIMEOUT_S = 10.0
-
-
-async def collect(
-    client: AsyncMPClient, request_ids: set[str]
-) -> dict[str, list[EngineCoreOutput]]:
-    """Every output of `request_ids` until each has finished (other ids are recorded too)."""
-    seen: dict[str, list[EngineCoreOutput]] = {}
-    unfinished = set(request_ids)
-    while unfinished:
-        outputs = await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-        for output in outputs.outputs:
-            seen.setdefault(output.request_id, []).append(output)
-            if output.finished:
-                unfinished.discard(output.request_id)
-    return seen
 
 
 def push_frames(client: AsyncMPClient, *messages: list[bytes | memoryview]) -> None:
@@ -422,115 +403,3 @@ async def test_clients_never_see_each_others_outputs_and_late_ones_are_served(
         for client in (first, second, late):
             if client is not None:
                 client.shutdown()
-
-
-# --- several engines --------------------------------------------------------------------------
-
-
-async def test_one_dead_engine_fails_alone_and_the_task_ends_when_all_are_dead(
-    engine_checkpoint: str,
-) -> None:
-    zero = ServedEngine(tiny_config(engine_checkpoint), engine_index=0)
-    one = ServedEngine(tiny_config(engine_checkpoint), engine_index=1)
-    client = AsyncMPClient([zero.endpoint, one.endpoint])
-    try:
-        assert set(client.engine_facts) == {0, 1}
-        await client.add_request_async(request("on-one", max_tokens=2), one.endpoint.identity)
-        assert (await collect(client, {"on-one"}))["on-one"][-1].finished
-        one.stop()  # a clean exit still tells attached clients
-        with pytest.raises(EngineDeadError) as info:
-            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-        assert info.value.engine_index == 1
-        with pytest.raises(EngineDeadError):
-            await client.add_request_async(request("to-dead", max_tokens=2), one.endpoint.identity)
-        with pytest.raises(EngineDeadError):
-            await client._call_utility_async("echo", 1, engine=one.endpoint.identity)
-        task = client.resources.output_queue_task
-        assert task is not None and not task.done()
-        await client.add_request_async(request("on-zero", max_tokens=2), zero.endpoint.identity)
-        assert (await collect(client, {"on-zero"}))["on-zero"][-1].finished
-        assert await client.call_utility_async("echo", "alive") == "alive"
-        zero.stop()
-        with pytest.raises(EngineDeadError) as info:
-            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-        assert info.value.engine_index == 0
-        await asyncio.wait_for(asyncio.shield(task), TIMEOUT_S)
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-    finally:
-        client.shutdown()
-        zero.stop()
-        one.stop()
-
-
-async def test_engines_are_added_and_removed_while_serving(engine_checkpoint: str) -> None:
-    with (
-        running_engine(tiny_config(engine_checkpoint), engine_index=0) as zero,
-        running_engine(tiny_config(engine_checkpoint), engine_index=1) as one,
-    ):
-        client = AsyncMPClient([zero.endpoint])
-        try:
-            with pytest.raises(RuntimeError, match="add_engine_async"):
-                client.add_engine(one.endpoint)
-            facts = await client.add_engine_async(one.endpoint)
-            assert isinstance(facts, EngineFacts) and facts.engine_index == 1
-            await client.add_request_async(request("added", max_tokens=2), one.endpoint.identity)
-            assert (await collect(client, {"added"}))["added"][-1].finished
-            with pytest.raises(ValueError, match="already attached"):
-                await client.add_engine_async(one.endpoint)
-            client.remove_engine(1)
-            assert set(client.engines) == {0}
-            with pytest.raises(EngineDeadError):
-                await client._call_utility_async("echo", 1, engine=one.endpoint.identity)
-            # GOODBYE freed this client's index on engine 1.
-            peer = RawPeer(one.endpoint, client_index=0)
-            try:
-                assert peer.hello_until_accepted().failure_message is None
-            finally:
-                peer.close()
-            assert await client.call_utility_async("echo", 0) == 0
-        finally:
-            client.shutdown()
-
-
-async def test_removing_an_engine_tells_the_consumer_its_requests_are_lost(
-    engine_checkpoint: str,
-) -> None:
-    with running_engine(tiny_config(engine_checkpoint), engine_index=0) as zero:
-        client = AsyncMPClient([zero.endpoint])
-        try:
-            await client.add_request_async(request("long", max_tokens=200), zero.endpoint.identity)
-            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-            client.remove_engine(0)  # e.g. a cluster link saw the rank die before the monitor did
-            while True:  # outputs already queued may come first
-                try:
-                    await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-                except EngineDeadError as dead:
-                    assert dead.engine_index == 0
-                    break
-        finally:
-            client.shutdown()
-
-
-async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
-    engine_checkpoint: str,
-) -> None:
-    first = ServedEngine(tiny_config(engine_checkpoint), engine_index=0)
-    client = AsyncMPClient([first.endpoint])
-    client.resources.engines_can_return = True
-    try:
-        client._ensure_output_queue_task()
-        first.stop()
-        with pytest.raises(EngineDeadError) as info:
-            await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-        assert info.value.engine_index == 0
-        task = client.resources.output_queue_task
-        assert task is not None and not task.done()
-        client.remove_engine(0)
-        with running_engine(tiny_config(engine_checkpoint), engine_index=0) as second:
-            await client.add_engine_async(second.endpoint)
-            await client.add_request_async(request("again", max_tokens=2), second.endpoint.identity)
-            assert (await collect(client, {"again"}))["again"][-1].finished
-    finally:
-        client.shutdown()
-        first.stop()

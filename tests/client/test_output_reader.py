@@ -8,12 +8,11 @@ import pytest
 
 import client.async_mp_client as async_mp_client
 from client.core_client import AsyncMPClient
+from tests.client.async_utils import TIMEOUT_S
 from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
 )
-
-TIMEOUT_S = 10.0
 
 
 async def _finishes(client: AsyncMPClient, request_id: str) -> bool:
