@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -128,11 +129,7 @@ class CoordinatorActor:
 
     def _drain_reports(self, decoder: msgspec.msgpack.Decoder[EngineStatsReport]) -> bool:
         is_changed = False
-        while True:
-            try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return is_changed
+        for frames in _queued_messages(self._pull):
             try:
                 if len(frames) != 1:
                     raise msgspec.DecodeError(f"expected 1 frame, got {len(frames)}")
@@ -146,13 +143,20 @@ class CoordinatorActor:
                 previous = self._latest.get(report.engine_index)
                 is_changed |= previous is None or previous.stats != report.stats
                 self._latest[report.engine_index] = report
+        return is_changed
 
     def _drain_subscriptions(self) -> bool:
         has_joined = False
-        while True:
-            try:
-                message = self._xpub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return has_joined
+        for frames in _queued_messages(self._xpub):
             # XPUB delivers b"\x01<topic>" on subscribe and b"\x00<topic>" on unsubscribe.
-            has_joined |= message[:1] == b"\x01"
+            has_joined |= frames[0][:1] == b"\x01"
+        return has_joined
+
+
+def _queued_messages(socket: zmq.Socket) -> Iterator[list[bytes]]:
+    """Every message already queued on `socket`, without waiting for more."""
+    while True:
+        try:
+            yield socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
