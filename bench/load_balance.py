@@ -138,6 +138,7 @@ def main() -> None:
         f"{statistics.median(e.output_tokens for e in trace):.0f} max "
         f"{max(e.output_tokens for e in trace)}"
     )
+    trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in trace]
     ray.init(num_cpus=args.num_ranks, include_dashboard=False, log_to_driver=False)
     # Big enough that a step's cost grows with the tokens in it (prefill is real work), small
     # enough for four ranks on a laptop-class CPU.
@@ -163,7 +164,6 @@ def main() -> None:
     )
     results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in POLICIES}
     try:
-        trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in trace]
         for _ in range(args.rounds):
             for name, policy in POLICIES.items():
                 ttfts, e2es = asyncio.run(replay(cluster.namespace, policy, trace))

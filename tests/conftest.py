@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.engine.core_proc_utils import ServedEngine, running_engine, tiny_checkpoint, tiny_config
+from tests.engine.core_proc_utils import ServedEngine, running_engine, tiny_config
+from tests.factories import make_tiny_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -28,8 +29,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def engine_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama checkpoint the transport and client tests serve."""
-    return tiny_checkpoint(tmp_path_factory)
+    """The tiny Llama checkpoint the transport and client tests serve, built once per session."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("transport"), "llama")
 
 
 @pytest.fixture

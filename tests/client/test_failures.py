@@ -32,18 +32,12 @@ from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
     running_engine,
-    tiny_checkpoint,
     tiny_config,
 )
 from tests.factories import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DETECTION_LIMIT_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
 
 
 async def _raises_dead(awaitable: Awaitable[Any]) -> EngineDeadError:
@@ -59,9 +53,9 @@ async def _drain_until_dead(client: AsyncMPClient) -> None:
 
 @pytest.mark.slow
 async def test_killed_engine_fails_every_pending_consumer_within_two_seconds(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    client = AsyncMPClient.make_local(tiny_config(checkpoint), engine_index=0)
+    client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
     process = client.resources.processes[0]
     try:
         await client.add_request_async(request("streaming", max_tokens=200))
@@ -88,9 +82,9 @@ async def test_killed_engine_fails_every_pending_consumer_within_two_seconds(
 
 @pytest.mark.slow
 async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_monitor(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    process, endpoint = start_engine_process(tiny_config(checkpoint), engine_index=6)
+    process, endpoint = start_engine_process(tiny_config(engine_checkpoint), engine_index=6)
     try:
         client = AsyncMPClient([endpoint])  # attached by address only: no process sentinel
         assert client.resources.processes == {}
@@ -108,9 +102,9 @@ async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_moni
 
 
 def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_use(
-    checkpoint: str,
+    engine_checkpoint: str,
 ) -> None:
-    served = ServedEngine(tiny_config(checkpoint), engine_index=3)
+    served = ServedEngine(tiny_config(engine_checkpoint), engine_index=3)
     client = AsyncMPClient([served.endpoint])  # built outside a loop: no task yet
     try:
         served.stop()  # the engine pushes ENGINE_CORE_DEAD to attached clients
@@ -127,8 +121,8 @@ def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_
         client.shutdown()
 
 
-async def test_fatal_engine_error_reaches_the_async_client(checkpoint: str) -> None:
-    served = ServedEngine(tiny_config(checkpoint), engine_index=1)
+async def test_fatal_engine_error_reaches_the_async_client(engine_checkpoint: str) -> None:
+    served = ServedEngine(tiny_config(engine_checkpoint), engine_index=1)
     client = AsyncMPClient([served.endpoint])
     try:
 

@@ -1,4 +1,4 @@
-"""Helpers for the transport tests: a tiny checkpoint built once, engines on a thread, raw peers.
+"""Helpers for the transport tests: engine configs, engines on a thread, raw peers.
 
 `RawPeer` speaks the client side of the wire by hand (a ROUTER and a PULL), so tests can send
 frames no well-behaved client would send and see exactly what comes back.
@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
 import zmq
 
 from engine.config import EngineConfig
@@ -29,19 +28,9 @@ from engine.protocol import (
     UtilityOutput,
 )
 from engine.serial import MsgpackDecoder, MsgpackEncoder
-from tests.factories import make_tiny_checkpoint
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
-
-_checkpoints: dict[str, str] = {}
-
-
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Llama checkpoint, built once per test session."""
-    if "llama" not in _checkpoints:
-        _checkpoints["llama"] = make_tiny_checkpoint(tmp_path_factory.mktemp("transport"), "llama")
-    return _checkpoints["llama"]
 
 
 def tiny_config(path: str, **kwargs: Any) -> EngineConfig:

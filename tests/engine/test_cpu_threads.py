@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from engine.engine_core import EngineCore
-from tests.engine.core_proc_utils import tiny_checkpoint, tiny_config
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_checkpoint(tmp_path_factory)
+from tests.engine.core_proc_utils import tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -24,16 +19,16 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_cpu_threads_sets_the_intra_op_threads(checkpoint: str) -> None:
-    EngineCore(tiny_config(checkpoint, cpu_threads=1))
+def test_cpu_threads_sets_the_intra_op_threads(engine_checkpoint: str) -> None:
+    EngineCore(tiny_config(engine_checkpoint, cpu_threads=1))
     assert torch.get_num_threads() == 1
 
 
-def test_without_cpu_threads_torch_keeps_its_own(checkpoint: str) -> None:
-    EngineCore(tiny_config(checkpoint))
+def test_without_cpu_threads_torch_keeps_its_own(engine_checkpoint: str) -> None:
+    EngineCore(tiny_config(engine_checkpoint))
     assert torch.get_num_threads() == 2
 
 
-def test_cpu_threads_must_be_positive(checkpoint: str) -> None:
+def test_cpu_threads_must_be_positive(engine_checkpoint: str) -> None:
     with pytest.raises(ValueError, match="cpu_threads must be positive"):
-        EngineCore(tiny_config(checkpoint, cpu_threads=0))
+        EngineCore(tiny_config(engine_checkpoint, cpu_threads=0))
