@@ -2,7 +2,10 @@
 
 (a) Latency: one request at a time, max_tokens=1, on a tiny random Llama whose step is cheap;
     p50/p99 of add → finished output through AsyncMPClient and an engine process, minus the
-    in-process EngineCore figure. The two alternate in blocks, so both see the same machine.
+    in-process EngineCore figure. Beside them, the floor of the same hops with no work on
+    them: a process whose input thread reads a ROUTER and queues each message to its main
+    thread, which pushes it back to an asyncio PULL. The three alternate in blocks, so all
+    see the same machine.
 (b) Output throughput: a producer process pushes prebuilt EngineCoreOutputs batches of 64
     outputs into the client's output socket; outputs/s the output task delivers to a consumer,
     against a bare zmq PULL + msgspec decode loop on the same stream (the ceiling).
@@ -32,13 +35,16 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -113,30 +120,99 @@ async def _remote_latency(client: AsyncMPClient, i: int) -> float:
     return time.perf_counter() - started
 
 
-async def latencies(
-    config: EngineConfig, num_requests: int, transport: str
-) -> tuple[list[float], list[float]]:
-    """(in-process, remote) latencies, measured in alternating blocks after one warm-up block."""
+def echo_hops(address: str, pull_address: str, ready: Connection) -> None:
+    """An engine process's hops with no engine: ROUTER → input thread → queue → PUSH."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(pull_address)
+    inbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+
+    def receive() -> None:
+        try:
+            while True:
+                _identity, payload = router.recv_multipart()
+                inbox.put(payload)
+        except zmq.ContextTerminated:
+            return
+
+    threading.Thread(target=receive, daemon=True).start()
+    ready.send(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    while (payload := inbox.get()) != b"stop":
+        push.send(payload)
+    ctx.destroy(linger=0)
+
+
+class HopFloor:
+    """Round trips through `echo_hops` from an asyncio DEALER and PULL, as the client's."""
+
+    def __init__(self, transport: str, directory: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        if transport == "tcp":
+            address = "tcp://127.0.0.1:*"
+            port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+            pull_address = f"tcp://127.0.0.1:{port}"
+        else:
+            address, pull_address = f"ipc://{directory}/floor-in", f"ipc://{directory}/floor-out"
+            self._pull.bind(pull_address)
+        context = multiprocessing.get_context("spawn")
+        reader, writer = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=echo_hops, args=(address, pull_address, writer), daemon=True
+        )
+        self._process.start()
+        self._dealer.connect(reader.recv())
+
+    async def round_trip(self) -> float:
+        started = time.perf_counter()
+        await self._dealer.send(b"x" * 64)
+        await self._pull.recv()
+        return time.perf_counter() - started
+
+    async def close(self) -> None:
+        await self._dealer.send(b"stop")
+        self._process.join(timeout=5)
+        self._ctx.destroy(linger=0)
+
+
+@dataclass
+class Latencies:
+    """Per-request seconds for each path of (a)."""
+
+    inproc: list[float]
+    remote: list[float]
+    floor: list[float]
+
+
+async def latencies(config: EngineConfig, num_requests: int, transport: str) -> Latencies:
+    """All three paths, measured in alternating blocks after one warm-up block."""
     core = EngineCore(config)
     process, endpoint = start_engine_process(config, transport=transport)
     client = AsyncMPClient([endpoint], processes={0: process}, transport=transport)
-    freeze_startup_heap()
-    inproc: list[float] = []
-    remote: list[float] = []
-    try:
-        num_blocks = 1 + max(1, num_requests // _LATENCY_BLOCK)
-        for block in range(num_blocks):
-            first = block * _LATENCY_BLOCK
-            ids = range(first, first + _LATENCY_BLOCK)
-            block_inproc = [_inproc_latency(core, i) for i in ids]
-            block_remote = [await _remote_latency(client, i) for i in ids]
-            if block:  # the first block warms both paths up
-                inproc += block_inproc
-                remote += block_remote
-    finally:
-        client.shutdown()
-        stop_engine_process(process)
-    return inproc, remote
+    with tempfile.TemporaryDirectory() as directory:
+        floor = HopFloor(transport, directory)
+        freeze_startup_heap()
+        result = Latencies([], [], [])
+        try:
+            num_blocks = 1 + max(1, num_requests // _LATENCY_BLOCK)
+            for block in range(num_blocks):
+                first = block * _LATENCY_BLOCK
+                ids = range(first, first + _LATENCY_BLOCK)
+                block_inproc = [_inproc_latency(core, i) for i in ids]
+                block_remote = [await _remote_latency(client, i) for i in ids]
+                block_floor = [await floor.round_trip() for _ in ids]
+                if block:  # the first block warms every path up
+                    result.inproc += block_inproc
+                    result.remote += block_remote
+                    result.floor += block_floor
+        finally:
+            await floor.close()
+            client.shutdown()
+            stop_engine_process(process)
+    return result
 
 
 # --- (b) output throughput --------------------------------------------------------------------
@@ -338,18 +414,26 @@ def _free_port() -> int:
 # --- report -----------------------------------------------------------------------------------
 
 
-def report_latency(inproc: list[float], remote: list[float], transport: str) -> None:
+def report_latency(result: Latencies, transport: str) -> None:
     ms = 1000.0
+    inproc, remote, floor = result.inproc, result.remote, result.floor
     print(f"(a) latency, max_tokens=1, {len(remote)} sequential requests, {transport}")
-    print(f"    {'path':<28}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
-    for name, values in (("in-process EngineCore", inproc), ("AsyncMPClient + ZMQ", remote)):
+    print(f"    {'path':<34}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
+    for name, values in (
+        ("in-process EngineCore", inproc),
+        ("AsyncMPClient + ZMQ", remote),
+        ("bare hops, no work (floor)", floor),
+    ):
         print(
-            f"    {name:<28}{percentile(values, 0.5) * ms:>10.3f}"
+            f"    {name:<34}{percentile(values, 0.5) * ms:>10.3f}"
             f"{percentile(values, 0.99) * ms:>10.3f}{statistics.mean(values) * ms:>10.3f}"
         )
     added_p50 = (percentile(remote, 0.5) - percentile(inproc, 0.5)) * ms
     added_p99 = (percentile(remote, 0.99) - percentile(inproc, 0.99)) * ms
-    print(f"    {'added by the transport':<28}{added_p50:>10.3f}{added_p99:>10.3f}")
+    print(f"    {'added by the transport':<34}{added_p50:>10.3f}{added_p99:>10.3f}")
+    above_p50 = added_p50 - percentile(floor, 0.5) * ms
+    above_p99 = added_p99 - percentile(floor, 0.99) * ms
+    print(f"    {'  of which above the floor':<34}{above_p50:>10.3f}{above_p99:>10.3f}")
 
 
 def report_throughput(ceiling: float, absorbed: float, num_batches: int) -> None:
@@ -391,8 +475,8 @@ def main() -> None:
             config = EngineConfig.from_kwargs(
                 path, num_gpu_blocks_override=64, max_model_len=128, cpu_threads=1
             )
-            inproc, remote = asyncio.run(latencies(config, args.num_requests, args.transport))
-            report_latency(inproc, remote, args.transport)
+            result = asyncio.run(latencies(config, args.num_requests, args.transport))
+            report_latency(result, args.transport)
         if "b" in args.parts:
             ceiling = best_of(args.num_runs, lambda: ceiling_outputs_per_s(args.num_batches))
             absorbed = best_of(
