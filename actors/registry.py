@@ -97,6 +97,7 @@ class _State:
     epoch: int = 0
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     clients: dict[int, ClientInfo] = field(default_factory=dict)
+    next_client_index: int = 0
     stats_publish_address: str | None = None
     stats_report_address: str | None = None
     stopping: bool = False
@@ -245,13 +246,19 @@ class RegistryActor:
     # --- clients -----------------------------------------------------------------------------
 
     async def attach_client(self, name: str) -> int:
-        """Attaches a client under the lowest free client index (gone clients are pruned first).
+        """Attaches a client under a new client index, one never used before in this cluster.
+
+        Indices are not reused: an engine's stats report counts each client's requests by
+        index, and a report made before a client left could otherwise be read by the next
+        holder of its index as counting the newcomer's own requests — hiding the load it
+        adds until the engine reports again.
 
         Returns:
             The client's index; it goes into every request the client sends.
         """
         self._prune_clients()
-        index = next(i for i in range(len(self._state.clients) + 1) if i not in self._state.clients)
+        index = self._state.next_client_index
+        self._state.next_client_index += 1
         now = time.time()
         self._state.clients[index] = ClientInfo(index, name, now, now)
         return index

@@ -5,6 +5,14 @@ through `DPLBAsyncMPClient` with shoal's least-loaded policy, with round-robin, 
 vLLM's published score (4 * waiting + running), against the same four-rank cluster in the
 same run, and prints p50/p99 time to first token and end-to-end latency for each.
 
+Beside them it prints a floor no policy can beat on this machine. Before the replays it times
+one rank's prefill per token when the machine is otherwise idle; no routing makes the ranks
+together prefill faster than that times the cores they share. Within a burst (arrivals less
+than `BURST_GAP_S` apart), the k-th last request to get its first token waits at least for the
+burst's prompt tokens except the k-1 largest, counted from the burst's first arrival. Those
+bounds, one per request and so distinct, give a lower bound on every percentile of TTFT, p99
+included (decode work, which only adds to it, is left out).
+
     .venv/bin/python bench/load_balance.py [--rounds 2] [--speed 1.0] [--num-ranks 4] [--record]
 
 `--record` regenerates the trace from its seed (it is committed so every run replays the
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,6 +43,7 @@ from engine.config import EngineConfig
 from tests.factories import make_tiny_checkpoint
 
 TRACE = Path(__file__).with_name("traces") / "bursty_heavy_tail.json"
+BURST_GAP_S = 0.05  # arrivals closer than this belong to one burst
 POLICIES = {
     "shoal least-loaded": "least_loaded",
     "round-robin": "round_robin",
@@ -73,6 +83,61 @@ def record_trace(
     ]
 
 
+@dataclass(frozen=True)
+class Record:
+    """What one replayed request measured."""
+
+    entry: TraceEntry
+    ttft: float
+    e2e: float
+    rank: int | None  # the rank that served it
+
+
+def ttft_floors(trace: list[TraceEntry], seconds_per_token: float, num_cores: int) -> list[float]:
+    """A lower bound on each request's TTFT under any policy (see the module docstring)."""
+    floors: list[float] = []
+    bursts: list[list[TraceEntry]] = []
+    for entry in sorted(trace, key=lambda e: e.at):
+        if bursts and entry.at - bursts[-1][-1].at < BURST_GAP_S:
+            bursts[-1].append(entry)
+        else:
+            bursts.append([entry])
+    for burst in bursts:
+        spread = burst[-1].at - burst[0].at
+        prompts = sorted((e.prompt_tokens for e in burst), reverse=True)
+        remaining = sum(prompts)
+        for largest in prompts:  # k-th last: the k-1 largest may come after it
+            floors.append(max(0.0, remaining * seconds_per_token / num_cores - spread))
+            remaining -= largest
+    return floors
+
+
+async def prefill_seconds_per_token(namespace: str, num_tokens: int, repeats: int = 5) -> float:
+    """One rank's prefill cost per token, from the best of a few otherwise idle runs.
+
+    A prompt of `num_tokens` (one full step) against a one-token prompt, so the fixed cost of
+    a request (client, transport, one decode step) cancels out.
+    """
+    llm = await AsyncLLM.connect(namespace, host="127.0.0.1", name="bench prefill probe")
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    async def best_ttft(length: int) -> float:
+        best = float("inf")
+        for i in range(repeats):
+            prompt = [1 + (i * 7 + j) % 400 for j in range(length)]
+            started = time.monotonic()
+            async for _ in llm.generate({"prompt_token_ids": prompt}, params, data_parallel_rank=0):
+                best = min(best, time.monotonic() - started)
+                break
+        return best
+
+    try:
+        await best_ttft(num_tokens)  # warm-up
+        return (await best_ttft(num_tokens) - await best_ttft(1)) / (num_tokens - 1)
+    finally:
+        await llm.shutdown()
+
+
 def load_trace() -> list[TraceEntry]:
     return [TraceEntry(**e) for e in json.loads(TRACE.read_text())]
 
@@ -82,13 +147,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def replay(
-    namespace: str, policy: str, trace: list[TraceEntry]
-) -> tuple[list[float], list[float]]:
+async def replay(namespace: str, policy: str, trace: list[TraceEntry]) -> list[Record]:
     llm = await AsyncLLM.connect(namespace, host="127.0.0.1", policy=policy, name=f"bench {policy}")
     rng = random.Random(0)
-    ttfts: list[float] = []
-    e2es: list[float] = []
+    records: list[Record] = []
 
     async def one(entry: TraceEntry, start: float) -> None:
         await asyncio.sleep(max(0.0, start + entry.at - time.monotonic()))
@@ -96,17 +158,27 @@ async def replay(
         prompt = [rng.randrange(1, 500) for _ in range(entry.prompt_tokens)]
         params = SamplingParams(temperature=0.0, max_tokens=entry.output_tokens, ignore_eos=True)
         first = None
-        async for _ in llm.generate({"prompt_token_ids": prompt}, params):
+        rank = None
+        async for output in llm.generate({"prompt_token_ids": prompt}, params):
             if first is None:
                 first = time.monotonic()
+                rank = output.data_parallel_rank
         assert first is not None
-        ttfts.append(first - arrival)
-        e2es.append(time.monotonic() - arrival)
+        records.append(Record(entry, first - arrival, time.monotonic() - arrival, rank))
 
     start = time.monotonic() + 0.5
     await asyncio.gather(*(one(e, start) for e in trace))
     await llm.shutdown()
-    return ttfts, e2es
+    return records
+
+
+def write_details(path: Path, results: dict[str, list[Record]]) -> None:
+    """One JSON line per request: policy, arrival, lengths, TTFT, end-to-end latency, rank."""
+    with path.open("w") as out:
+        for policy, records in results.items():
+            for r in records:
+                figures = {"ttft": r.ttft, "e2e": r.e2e, "rank": r.rank}
+                out.write(json.dumps({"policy": policy, **r.entry.__dict__, **figures}) + "\n")
 
 
 def main() -> None:
@@ -125,6 +197,9 @@ def main() -> None:
         type=int,
         default=256,
         help="each rank's token budget per step",
+    )
+    parser.add_argument(
+        "--details", type=Path, help="write every request's figures here (JSON lines)"
     )
     args = parser.parse_args()
     if args.record or not TRACE.exists():
@@ -156,34 +231,50 @@ def main() -> None:
         checkpoint,
         data_parallel_size=args.num_ranks,
         enable_prefix_caching=False,
+        cpu_threads=1,  # one core's worth per rank, as the floor below assumes
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=1024,
     )
     cluster = launch(
         config, namespace="shoal-bench-lb", resources=RankResources(num_cpus=1), host="127.0.0.1"
     )
-    results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in POLICIES}
+    results: dict[str, list[Record]] = {name: [] for name in POLICIES}
     try:
+        seconds_per_token = asyncio.run(
+            prefill_seconds_per_token(cluster.namespace, args.max_num_batched_tokens)
+        )
         for _ in range(args.rounds):
             for name, policy in POLICIES.items():
-                ttfts, e2es = asyncio.run(replay(cluster.namespace, policy, trace))
-                results[name][0].extend(ttfts)
-                results[name][1].extend(e2es)
+                results[name] += asyncio.run(replay(cluster.namespace, policy, trace))
     finally:
         cluster.shutdown()
         ray.shutdown()
+    if args.details:
+        write_details(args.details, results)
     print(f"\n{'policy':<26}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}   (ms)")
     p99_ttft = {}
-    for name, (ttfts, e2es) in results.items():
+    for name, records in results.items():
+        ttfts = [r.ttft for r in records]
+        e2es = [r.e2e for r in records]
         p99_ttft[name] = percentile(ttfts, 99)
         print(
             f"{name:<26}{statistics.median(ttfts) * 1e3:>10.0f}{p99_ttft[name] * 1e3:>10.0f}"
             f"{statistics.median(e2es) * 1e3:>10.0f}{percentile(e2es, 99) * 1e3:>10.0f}"
         )
+    num_cores = min(args.num_ranks, os.cpu_count() or 1)
+    floor = percentile(ttft_floors(trace, seconds_per_token, num_cores) * args.rounds, 99)
+    print(
+        f"{'floor for any policy':<26}{'':>10}{floor * 1e3:>10.0f}"
+        f"   (prefill {seconds_per_token * 1e3:.2f} ms/token on one core, {num_cores} cores)"
+    )
     ours = p99_ttft["shoal least-loaded"]
     print(
         f"\np99 TTFT: round-robin / shoal = {p99_ttft['round-robin'] / ours:.2f}x (target >= 2x), "
         f"vLLM score / shoal = {p99_ttft['vLLM 4*waiting+running'] / ours:.2f}x (target >= 1x)"
+    )
+    print(
+        f"the 2x target asks for p99 TTFT <= {p99_ttft['round-robin'] / 2 * 1e3:.0f} ms; "
+        f"no policy can go below {floor * 1e3:.0f} ms here"
     )
 
 

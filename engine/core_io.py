@@ -132,21 +132,16 @@ class InputThread(threading.Thread):
         self._connections: dict[bytes, _ClientConnection] = {}
         self._by_client_index: dict[int, _ClientConnection] = {}
         self._monitors: dict[zmq.Socket, _ClientConnection] = {}
+        self._poller.register(router, zmq.POLLIN)
 
     def stop(self) -> None:
         """Asks the thread to exit within ~0.1 s; thread-safe."""
         self._stop_event.set()
 
     def run(self) -> None:
-        self._poller.register(self._router, zmq.POLLIN)
         try:
             while not self._stop_event.is_set():
-                for socket, _ in self._poller.poll(self._poll_timeout_ms()):
-                    if socket is self._router:
-                        self._drain_router()
-                    else:
-                        self._on_monitor_event(self._monitors[socket])
-                self._expire_connections()
+                self.serve_once(self._poll_timeout_ms())
         except Exception:
             logger.exception("engine %d input thread failed", self._engine_index)
             self._work_queue.put((Op.DEAD,))
@@ -154,6 +149,21 @@ class InputThread(threading.Thread):
             for connection in list(self._connections.values()):
                 connection.monitor.close(linger=0)
             self._router.close(linger=0)
+
+    def serve_once(self, timeout_ms: int) -> None:
+        """One turn of the thread: whatever is ready within `timeout_ms`, then expiries.
+
+        One poll can report a client's GOODBYE together with its connection's monitor event
+        (its PULL closed right after saying goodbye); the GOODBYE, handled first, detaches the
+        connection and closes its monitor, so the event is about nothing any more and is
+        skipped.
+        """
+        for socket, _ in self._poller.poll(timeout_ms):
+            if socket is self._router:
+                self._drain_router()
+            elif (connection := self._monitors.get(socket)) is not None:
+                self._on_monitor_event(connection)
+        self._expire_connections()
 
     def _poll_timeout_ms(self) -> int:
         deadlines = [c.deadline for c in self._connections.values() if c.deadline is not None]

@@ -112,11 +112,11 @@ def test_request_stop_wakes_long_pollers(registry: Any) -> None:
     assert ray.get(registry.status.remote())["stopping"]
 
 
-def test_client_indices_are_allocated_freed_and_pruned(registry: Any) -> None:
+def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: Any) -> None:
     assert [ray.get(registry.attach_client.remote(f"c{i}")) for i in range(3)] == [0, 1, 2]
     ray.get(registry.detach_client.remote(1))
     assert [c.name for c in ray.get(registry.clients.remote())] == ["c0", "c2"]
-    assert ray.get(registry.attach_client.remote("c3")) == 1  # lowest free index
+    assert ray.get(registry.attach_client.remote("c3")) == 3  # 1 is free but not reused
     assert not ray.get(registry.heartbeat_client.remote(9))
 
     # Only client 2 keeps polling; the others fall silent past the 1 s timeout.
@@ -126,9 +126,9 @@ def test_client_indices_are_allocated_freed_and_pruned(registry: Any) -> None:
         time.sleep(0.2)
     assert [(c.client_index, c.name) for c in ray.get(registry.clients.remote())] == [(2, "c2")]
     assert not ray.get(registry.heartbeat_client.remote(0))
-    assert ray.get(registry.attach_client.remote("c4")) == 0
+    assert ray.get(registry.attach_client.remote("c4")) == 4
     status = ray.get(registry.status.remote())
-    assert [c["client_index"] for c in status["clients"]] == [0, 2]
+    assert [c["client_index"] for c in status["clients"]] == [2, 4]
 
 
 def test_scale_lock_has_one_owner_at_a_time(registry: Any) -> None:
