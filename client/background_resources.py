@@ -123,6 +123,10 @@ class BackgroundResources:
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(task.cancel)
         threads: list[threading.Thread] = []
+        if self.input_socket is not None and not self.input_socket.closed:
+            # Before the monitor thread closes its end: an event sent to a closed monitor
+            # reader blocks libzmq's I/O thread for good (libzmq#3575), and `ctx.term()` with it.
+            zmq.Socket.shadow(self.input_socket.underlying).disable_monitor()
         if self.engine_monitor is not None:
             self.engine_monitor.stop()
             threads.append(self.engine_monitor)

@@ -54,7 +54,7 @@ class Op:
     ABORT = 1  # (ABORT, request_ids, client_index)
     UTILITY = 2  # (UTILITY, client_index, call_id, method, args)
     ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply)
-    DETACH = 4  # (DETACH, client_index)
+    DETACH = 4  # (DETACH, client_index, monitor): the monitor is the output thread's to close
     SEND = 5  # (SEND, client_index, EngineCoreOutputs)
     STATS = 6  # (STATS, EngineStatsReport)
     DEAD = 7  # (DEAD,): tell every attached client the engine is gone, then stop
@@ -146,8 +146,8 @@ class InputThread(threading.Thread):
             logger.exception("engine %d input thread failed", self._engine_index)
             self._work_queue.put((Op.DEAD,))
         finally:
-            for connection in list(self._connections.values()):
-                connection.monitor.close(linger=0)
+            # Monitors of attached clients stay open until the context goes: their PUSHes
+            # (the output thread's) are still monitored.
             self._router.close(linger=0)
 
     def serve_once(self, timeout_ms: int) -> None:
@@ -342,6 +342,7 @@ class InputThread(threading.Thread):
                 hello.output_address,
                 e,
             )
+            push.disable_monitor()
             monitor.close(linger=0)
             push.close(linger=0)
             return
@@ -394,8 +395,10 @@ class InputThread(threading.Thread):
         del self._by_client_index[connection.client_index]
         del self._monitors[connection.monitor]
         self._poller.unregister(connection.monitor)
-        connection.monitor.close(linger=0)
-        self._work_queue.put((Op.DETACH, connection.client_index))
+        # Not closed here: a monitor's reader must outlive the monitoring, or libzmq's I/O
+        # thread blocks for good on the next event (libzmq#3575), and with it every socket of
+        # the engine. The output thread, owner of the PUSH, stops monitoring and then closes it.
+        self._work_queue.put((Op.DETACH, connection.client_index, connection.monitor))
 
     def _on_monitor_event(self, connection: _ClientConnection) -> None:
         while True:

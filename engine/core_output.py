@@ -90,6 +90,7 @@ class OutputThread(threading.Thread):
         finally:
             with self._socket_lock:
                 for push in self._pushes.values():
+                    push.disable_monitor()
                     push.close(linger=linger_ms)
                 if self._stats_socket is not None:
                     self._stats_socket.close(linger=0)
@@ -105,7 +106,9 @@ class OutputThread(threading.Thread):
         elif op == Op.DETACH:
             push = self._pushes.pop(item[1], None)
             if push is not None:
+                push.disable_monitor()  # before its reader closes (see InputThread._detach)
                 push.close(linger=0)
+            item[2].close(linger=0)
         elif op == Op.STATS:
             self._send_stats(item[1])
         elif op == Op.DEAD:

@@ -54,10 +54,14 @@ def test_a_goodbye_and_its_disconnect_in_one_poll_leave_the_thread_serving() -> 
         pull.close(linger=0)
         time.sleep(0.3)  # both the GOODBYE and the disconnect event are now waiting
         thread.serve_once(0)
-        assert _work(work_queue) == [(Op.DETACH, 5)]
+        [(op, client_index, monitor)] = _work(work_queue)
+        assert (op, client_index) == (Op.DETACH, 5)
+        pushes[0].disable_monitor()  # what the output thread does with a DETACH
+        monitor.close(linger=0)
 
         attach(6)  # still serving: a new client attaches
     finally:
         for push in pushes:
+            push.disable_monitor()
             push.close(linger=0)
         ctx.destroy(linger=0)

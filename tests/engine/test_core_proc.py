@@ -291,6 +291,32 @@ def test_a_client_cannot_abort_another_clients_request(engine: ServedEngine, pee
         other.close()
 
 
+def test_clients_coming_and_going_never_disturb_the_engine_or_its_other_clients(
+    engine: ServedEngine, peer: RawPeer
+) -> None:
+    peer.send_typed(ADD, request("steady", list(range(1, 20)), max_tokens=120))
+    for i in range(30):
+        visitor = RawPeer(engine.endpoint, client_index=100 + i)
+        visitor.hello()
+        visitor.send_typed(ADD, request(f"visit-{i}", max_tokens=50))
+        assert visitor.recv().outputs[0].request_id == f"visit-{i}"
+        if i % 2:  # half say goodbye; the rest just vanish mid-stream
+            visitor.send(EngineCoreRequestType.GOODBYE.value)
+        visitor.close()
+    outputs = peer.collect_until_finished({"steady"})
+    assert sum(len(o.new_token_ids) for o in outputs["steady"]) == 120
+    assert not engine.errors and engine.thread.is_alive()
+    # Every visitor's request is gone from the engine; a new client is served.
+    assert wait_until(lambda: _utility(peer, 1, "get_stats").num_running_reqs == 0, 10)
+    late = RawPeer(engine.endpoint, client_index=200)
+    try:
+        late.hello()
+        late.send_typed(ADD, request("late", max_tokens=3))
+        assert sum(len(o.new_token_ids) for o in late.collect_until_finished({"late"})["late"]) == 3
+    finally:
+        late.close()
+
+
 @pytest.mark.slow
 def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idle(
     engine_checkpoint: str,
