@@ -8,6 +8,13 @@ The coordinator keeps the latest report per rank. It publishes a snapshot of all
 when nothing changes, and (3) at once when a new subscriber joins, so a client that attaches
 never waits a second for its first view. A rank's report carries the engine's own timestamp;
 clients use it to tell which of their sends a snapshot can already include.
+
+Restarts: Ray restarts a coordinator that dies. The new one binds the addresses its
+predecessor published in the registry, so engines' PUSH and clients' SUB sockets reconnect
+on their own (ZMQ re-sends a SUB's subscription) and nobody has to be told; engines refill the
+latest reports within a heartbeat. If an address cannot be bound again (another node, a taken
+port), it binds new ones and records them in the registry: drivers that attach later use
+them, while attached clients route on their own accounting and direct engine stats.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import ray
 import zmq
 
+from actors.registry import REGISTRY_NAME, Membership
 from engine.protocol import DPStatsSnapshot, EngineStatsReport
 
 logger = logging.getLogger(__name__)
@@ -36,20 +44,29 @@ class CoordinatorActor:
 
     Args:
         host: address to bind; empty: this node's IP.
+        namespace: the cluster's namespace, where a restarted coordinator finds the registry.
     """
 
-    def __init__(self, host: str = "") -> None:
+    def __init__(self, host: str = "", namespace: str | None = None) -> None:
         host = host or ray.util.get_node_ip_address()
+        registry = None
+        previous: tuple[str | None, str | None] = (None, None)
+        if namespace is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+            membership = cast(Membership, ray.get(registry.membership.remote()))
+            previous = (membership.stats_report_address, membership.stats_publish_address)
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        report_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.report_address = _bind(self._pull, host, previous[0])
         self._xpub = self._context.socket(zmq.XPUB)
         self._xpub.setsockopt(zmq.LINGER, 0)
         self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscribe, not only the first
-        publish_port = self._xpub.bind_to_random_port(f"tcp://{host}")
-        self.report_address = f"tcp://{host}:{report_port}"
-        self.publish_address = f"tcp://{host}:{publish_port}"
+        self.publish_address = _bind(self._xpub, host, previous[1])
+        if registry is not None:
+            logger.warning("coordinator restarted at %s", self.addresses())
+            if self.addresses() != previous:
+                ray.get(registry.set_coordinator.remote(*self.addresses()))
         self._latest: dict[int, EngineStatsReport] = {}
         self._lock = threading.Lock()
         self._num_published = 0
@@ -151,6 +168,17 @@ class CoordinatorActor:
             # XPUB delivers b"\x01<topic>" on subscribe and b"\x00<topic>" on unsubscribe.
             has_joined |= frames[0][:1] == b"\x01"
         return has_joined
+
+
+def _bind(socket: zmq.Socket, host: str, previous: str | None) -> str:
+    """Binds `previous` if given and possible, else a new port on `host`; returns the address."""
+    if previous is not None:
+        try:
+            socket.bind(previous)
+            return previous
+        except zmq.ZMQError as e:
+            logger.warning("cannot bind %s again (%s); binding a new port", previous, e)
+    return f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
 
 
 def _queued_messages(socket: zmq.Socket) -> Iterator[list[bytes]]:

@@ -172,8 +172,14 @@ def launch(
     )
     coordinator: ActorHandle = (
         ray.remote(CoordinatorActor)
-        .options(name=COORDINATOR_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
-        .remote(host or "")
+        .options(
+            name=COORDINATOR_NAME,
+            namespace=namespace,
+            lifetime=lifetime,
+            num_cpus=0,
+            max_restarts=-1,  # it binds its old addresses again: see actors/coordinator.py
+        )
+        .remote(host or "", namespace)
     )
     handle = ClusterHandle(namespace, registry, coordinator)
     try:

@@ -21,7 +21,7 @@ from cluster.launch import ClusterHandle, launch
 from cluster.placement import RankResources
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.protocol import EngineCoreRequest
+from engine.protocol import DPStatsSnapshot, EngineCoreRequest
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
 
@@ -136,6 +136,40 @@ async def test_two_drivers_only_see_their_own_outputs(
     assert all(len(o.outputs[0].token_ids) == 5 for o in await mine)
     await other.close()
     client.shutdown()
+
+
+async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    client = _client(llm)
+    snapshots: list[DPStatsSnapshot] = []
+    on_snapshot = client._on_stats_snapshot
+
+    def record(snapshot: DPStatsSnapshot) -> None:
+        snapshots.append(snapshot)
+        on_snapshot(snapshot)
+
+    client._on_stats_snapshot = record  # type: ignore[method-assign]
+    before = ray.get(cluster.registry.membership.remote())
+    ray.kill(cluster.coordinator, no_restart=False)
+    deadline = time.monotonic() + 30
+    while True:  # the old incarnation's last snapshots, then the new one's from seq 1
+        await asyncio.sleep(0.1)
+        fresh = [s for s in snapshots[1:] if s.seq < snapshots[0].seq]
+        if fresh and {r.engine_index for r in fresh[-1].reports} == {0, 1}:
+            break
+        assert time.monotonic() < deadline, "no snapshot from the restarted coordinator"
+    after = ray.get(cluster.registry.membership.remote())
+    assert (after.stats_report_address, after.stats_publish_address) == (
+        before.stats_report_address,
+        before.stats_publish_address,
+    )
+    late = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="late driver")
+    try:
+        output = await _final(late, "after the restart", _params(3))
+        assert len(output.outputs[0].token_ids) == 3
+    finally:
+        await late.shutdown()
 
 
 async def test_killed_rank_fails_its_requests_and_comes_back(
