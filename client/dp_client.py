@@ -104,6 +104,9 @@ class DPAsyncMPClient(AsyncMPClient):
     def _on_stats_snapshot(self, snapshot: DPStatsSnapshot) -> None:
         self.current_wave = snapshot.current_wave
         for report in snapshot.reports:
+            endpoint = self.engines.get(report.engine_index)
+            if endpoint is None or report.identity != endpoint.identity:
+                continue  # a rank not attached here, or the last word of a dead incarnation
             seen = report.requests_seen.get(self.client_index, 0)
             self._on_rank_stats(report.engine_index, report.stats, seen)
 

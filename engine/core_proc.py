@@ -258,6 +258,7 @@ class EngineCoreProc:
             stats,
             timestamp=time.time(),
             requests_seen=dict(self.engine_core.requests_seen),
+            identity=self._identity,
         )
         self._output_thread.submit((Op.STATS, report))
 

@@ -250,6 +250,10 @@ class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     # client index → ADDs of that client the engine had taken in when `stats` was measured.
     requests_seen: dict[int, int] = msgspec.field(default_factory=dict)
+    # The engine's ROUTER identity: a restarted rank has a new one, so a client can tell the
+    # last report of a dead incarnation (which the coordinator may still hold) from the
+    # reports of the engine it is attached to.
+    identity: bytes = b""
 
 
 class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -213,3 +213,14 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
     )
     assert back.data_parallel_rank == victim
     assert len(back.outputs[0].token_ids) == 4
+
+    # Routing sees the new incarnation's load, not the last report of the old one (whose step
+    # counter is far ahead of the new engine's and would outrank every fresh report).
+    deadline = time.monotonic() + 5
+    while True:
+        steps = (await _client(llm).call_utility_all_async("get_stats"))[victim].step_counter
+        snapshot = _client(llm).policy.snapshots.get(victim)
+        if snapshot is not None and snapshot.stats.step_counter <= steps:
+            break
+        assert time.monotonic() < deadline, (snapshot, steps)
+        await asyncio.sleep(0.1)
