@@ -13,10 +13,12 @@ burst's prompt tokens except the k-1 largest, counted from the burst's first arr
 bounds, one per request and so distinct, give a lower bound on every percentile of TTFT, p99
 included (decode work, which only adds to it, is left out).
 
-    .venv/bin/python bench/load_balance.py [--rounds 2] [--speed 1.0] [--num-ranks 4] [--record]
+    .venv/bin/python bench/load_balance.py [--rounds 2] [--speed 1.0] [--num-ranks 4] \
+        [--max-num-batched-tokens 256] [--details requests.jsonl] [--record]
 
-`--record` regenerates the trace from its seed (it is committed so every run replays the
-same arrivals).
+`--details` writes one JSON line per request (arrival, lengths, TTFT, end-to-end latency, the
+rank that served it), to see where each policy's tail comes from. `--record` regenerates the
+trace from its seed (it is committed so every run replays the same arrivals).
 """
 
 from __future__ import annotations
