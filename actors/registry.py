@@ -4,6 +4,11 @@ One named actor per namespace. Engines register their own ZMQ endpoints; the reg
 each registered engine actor and marks its rank DEAD the moment the actor dies. Clients read
 the membership and long-poll `wait_for_change` to learn of restarts and resizes. Control plane
 only: nothing here is on the per-request path, and it knows nothing of placement groups.
+
+Restarts: every change is written to the GCS key-value store (as Ray Serve's controller
+checkpoints its state), and a registry that Ray restarts reads it back: ranks, endpoints,
+clients and the next client index survive, the epoch moves on so every long-poller sees a
+change, and each registered engine is watched again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import ray
+from ray.experimental import internal_kv
 
 from engine.config import EngineConfig
 from engine.protocol import EngineEndpoint
@@ -23,6 +30,8 @@ from engine.protocol import EngineEndpoint
 logger = logging.getLogger(__name__)
 
 REGISTRY_NAME = "shoal-registry"
+# GCS key-value key (in the cluster's namespace) of the registry's saved state.
+STATE_KEY = "shoal-registry-state"
 
 # A client that has not long-polled or heartbeated for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
@@ -128,6 +137,9 @@ class RegistryActor:
         self._state = _State(config=config)
         self._changed = asyncio.Event()
         self._watchers: dict[int, asyncio.Task[None]] = {}
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._restore()
+        self._save()
 
     # --- membership ------------------------------------------------------------------------
 
@@ -261,11 +273,13 @@ class RegistryActor:
         self._state.next_client_index += 1
         now = time.time()
         self._state.clients[index] = ClientInfo(index, name, now, now)
+        self._save()
         return index
 
     async def detach_client(self, client_index: int) -> None:
         """Frees a client index (unknown indices are ignored)."""
-        self._state.clients.pop(client_index, None)
+        if self._state.clients.pop(client_index, None) is not None:
+            self._save()
 
     async def heartbeat_client(self, client_index: int) -> bool:
         """Marks a client alive.
@@ -285,6 +299,7 @@ class RegistryActor:
     async def set_served_by(self, server: str | None) -> None:
         """Records the process that serves the cluster and tears it down on `request_stop`."""
         self._state.served_by = server
+        self._save()
 
     async def request_stop(self) -> int:
         """Asks whoever serves the cluster (e.g. `shoal serve`) to tear it down.
@@ -311,6 +326,7 @@ class RegistryActor:
         if self._state.scale_lock_owner != owner:
             return False
         self._state.scale_lock_owner = None
+        self._save()
         return True
 
     async def status(self) -> dict[str, Any]:
@@ -356,8 +372,36 @@ class RegistryActor:
     def _set_rank(self, info: RankInfo) -> None:
         self._state.ranks[info.rank] = replace(info, changed_at=time.time())
 
+    def _save(self) -> None:
+        """Writes the state where a restarted registry finds it (heartbeats are not saved)."""
+        internal_kv._internal_kv_put(
+            STATE_KEY, msgspec.msgpack.encode(self._state), namespace=self.namespace
+        )
+
+    def _restore(self) -> None:
+        """Picks up the state the previous incarnation saved; every client counts as just seen."""
+        saved = internal_kv._internal_kv_get(STATE_KEY, namespace=self.namespace)
+        if saved is None:
+            logger.warning("registry restarted without saved state; starting empty")
+            return
+        state = msgspec.msgpack.decode(saved, type=_State)
+        now = time.time()
+        state.clients = {i: replace(c, last_seen=now) for i, c in state.clients.items()}
+        state.epoch += 1
+        self._state = state
+        for info in state.ranks.values():
+            if info.endpoint is not None and info.state in (RankState.READY, RankState.LEAVING):
+                self._watch(info.rank, info.actor_name, info.endpoint.identity)
+        logger.warning(
+            "registry restarted at epoch %d: %d ranks, %d clients",
+            state.epoch,
+            len(state.ranks),
+            len(state.clients),
+        )
+
     def _bump(self) -> int:
         self._state.epoch += 1
+        self._save()
         # Wake every waiter of this change, then arm a fresh event for the next one.
         self._changed.set()
         self._changed = asyncio.Event()
@@ -372,11 +416,14 @@ class RegistryActor:
 
     def _prune_clients(self) -> None:
         cutoff = time.time() - self.client_timeout_s
-        for index in [i for i, c in self._state.clients.items() if c.last_seen < cutoff]:
+        silent = [i for i, c in self._state.clients.items() if c.last_seen < cutoff]
+        for index in silent:
             logger.info(
                 "client %d (%s) went silent; pruned", index, self._state.clients[index].name
             )
             del self._state.clients[index]
+        if silent:
+            self._save()
 
     def _watch(self, rank: int, actor_name: str, identity: bytes) -> None:
         previous = self._watchers.pop(rank, None)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 
 import ray
 from ray.actor import ActorHandle
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # Long-poll length: also how often the registry hears that this client is alive.
 WATCH_POLL_S = 2.0
+# How long a watch waits for a registry that stopped answering to come back (Ray restarts it).
+REGISTRY_RESTART_WAIT_S = 30.0
 
 
 class ClusterLink:
@@ -100,11 +103,25 @@ class ClusterLink:
                     epoch, WATCH_POLL_S, self.client_index
                 )
             except ray.exceptions.RayActorError:
+                if await self._registry_is_back():
+                    continue  # Ray restarted it; it picked up its saved state
                 logger.warning("the cluster registry is gone; no more membership updates")
                 return
             epoch, self.membership = membership.epoch, membership
             await self._report_dead_engines()
             await self._reconcile(membership)
+
+    async def _registry_is_back(self) -> bool:
+        """Whether the registry answers again within `REGISTRY_RESTART_WAIT_S`."""
+        deadline = time.monotonic() + REGISTRY_RESTART_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                await self.registry.ping.remote()
+                return True
+            except ray.exceptions.RayActorError:
+                continue
+        return False
 
     async def _reconcile(self, membership: Membership) -> None:
         wanted = {e.engine_index: e for e in membership.routable_endpoints()}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.coordinator import COORDINATOR_NAME, CoordinatorActor
@@ -33,7 +34,7 @@ from actors.engine_actor import (
     EngineCoreActor,
     engine_actor_name,
 )
-from actors.registry import REGISTRY_NAME, Membership, RegistryActor
+from actors.registry import REGISTRY_NAME, STATE_KEY, Membership, RegistryActor
 from cluster.placement import (
     PlacementStrategy,
     RankResources,
@@ -123,6 +124,7 @@ class ClusterHandle:
         _wait_quietly([self.coordinator.shutdown.remote()], timeout=10)
         for actor in (self.coordinator, self.registry):
             _kill_quietly(actor)
+        internal_kv._internal_kv_del(STATE_KEY, namespace=self.namespace)
         remove_cluster_placement_groups(self.namespace)
         _wait_for_names_gone(
             self.namespace,
@@ -167,7 +169,13 @@ def launch(
     lifetime = "detached" if detached else None
     registry: ActorHandle = (
         ray.remote(RegistryActor)
-        .options(name=REGISTRY_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
+        .options(
+            name=REGISTRY_NAME,
+            namespace=namespace,
+            lifetime=lifetime,
+            num_cpus=0,
+            max_restarts=-1,  # it reads its saved state back: see actors/registry.py
+        )
         .remote(namespace, config, detached)
     )
     coordinator: ActorHandle = (

@@ -172,6 +172,39 @@ async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
         await late.shutdown()
 
 
+async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    before = await cluster.registry.membership.remote()
+    own_index = _client(llm).client_index
+    ray.kill(cluster.registry, no_restart=False)
+    deadline = time.monotonic() + 30
+    while True:
+        await asyncio.sleep(0.2)
+        try:
+            after = await cluster.registry.membership.remote()
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, "the registry did not come back"
+            continue
+        if after.epoch > before.epoch:
+            break
+    assert {r: i.endpoint for r, i in after.ranks.items()} == {
+        r: i.endpoint for r, i in before.ranks.items()
+    }
+    clients = await cluster.registry.clients.remote()
+    assert own_index in [c.client_index for c in clients]
+    late = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="after registry")
+    try:
+        assert _client(late).client_index > max(c.client_index for c in clients)
+        outputs = await asyncio.gather(
+            _final(late, "new driver", _params(3)), _final(llm, "old driver", _params(3))
+        )
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
+    finally:
+        await late.shutdown()
+    # The next test kills a rank: the restarted registry must be watching the engines again.
+
+
 async def test_killed_rank_fails_its_requests_and_comes_back(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
