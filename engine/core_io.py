@@ -155,8 +155,8 @@ class InputThread(threading.Thread):
 
         One poll can report a client's GOODBYE together with its connection's monitor event
         (its PULL closed right after saying goodbye); the GOODBYE, handled first, detaches the
-        connection and closes its monitor, so the event is about nothing any more and is
-        skipped.
+        connection and hands its monitor to the output thread, so the event is about nothing
+        any more and is skipped.
         """
         for socket, _ in self._poller.poll(timeout_ms):
             if socket is self._router:
