@@ -6,8 +6,10 @@ Protocol (ZMQ, msgspec):
 The coordinator keeps the latest report per rank. It publishes a snapshot of all of them
 (1) at most every 100 ms while any rank's stats change, (2) as a heartbeat once per second
 when nothing changes, and (3) at once when a new subscriber joins, so a client that attaches
-never waits a second for its first view. A rank's report carries the engine's own timestamp;
-clients use it to tell which of their sends a snapshot can already include.
+never waits a second for its first view. A rank's report carries the engine's identity and,
+per client, how many of that client's requests the engine had taken in: a client uses the
+first to ignore reports of a dead incarnation, the second to tell which of its own sends a
+snapshot already includes.
 
 Restarts: Ray restarts a coordinator that dies. The new one binds the addresses its
 predecessor published in the registry, so engines' PUSH and clients' SUB sockets reconnect
