@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 
 import ray
 from ray.actor import ActorHandle
@@ -23,14 +22,13 @@ from client.dp_client import DPLBAsyncMPClient
 from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
 from cluster.launch import attach as attach_cluster
+from cluster.launch import registry_answers_again
 from engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 # Long-poll length: also how often the registry hears that this client is alive.
 WATCH_POLL_S = 2.0
-# How long a watch waits for a registry that stopped answering to come back (Ray restarts it).
-REGISTRY_RESTART_WAIT_S = 30.0
 
 
 class ClusterLink:
@@ -103,25 +101,13 @@ class ClusterLink:
                     epoch, WATCH_POLL_S, self.client_index
                 )
             except ray.exceptions.RayActorError:
-                if await self._registry_is_back():
-                    continue  # Ray restarted it; it picked up its saved state
+                if await asyncio.to_thread(registry_answers_again, self.registry):
+                    continue  # Ray restarted it; it read its saved state back
                 logger.warning("the cluster registry is gone; no more membership updates")
                 return
             epoch, self.membership = membership.epoch, membership
             await self._report_dead_engines()
             await self._reconcile(membership)
-
-    async def _registry_is_back(self) -> bool:
-        """Whether the registry answers again within `REGISTRY_RESTART_WAIT_S`."""
-        deadline = time.monotonic() + REGISTRY_RESTART_WAIT_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            try:
-                await self.registry.ping.remote()
-                return True
-            except ray.exceptions.RayActorError:
-                continue
-        return False
 
     async def _reconcile(self, membership: Membership) -> None:
         wanted = {e.engine_index: e for e in membership.routable_endpoints()}

@@ -47,6 +47,9 @@ from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
+# How long a caller waits for a registry that stopped answering to come back (Ray restarts it).
+REGISTRY_RESTART_WAIT_S = 30.0
+
 # Ray's ActorHandle typing cannot express remote methods, so handles are typed Any.
 ActorHandle = Any
 
@@ -88,7 +91,9 @@ class ClusterHandle:
     def wait_until_stop_requested(
         self, poll_s: float = 1.0, should_stop: Callable[[], bool] | None = None
     ) -> None:
-        """Blocks until someone calls `request_stop` (e.g. `shoal stop`) or the registry dies.
+        """Blocks until someone calls `request_stop` (e.g. `shoal stop`) or the registry is gone.
+
+        A registry that Ray restarts is waited for (see `registry_answers_again`).
 
         Args:
             poll_s: long-poll timeout; also how often `should_stop` is consulted.
@@ -99,6 +104,8 @@ class ClusterHandle:
             try:
                 membership = ray.get(self.registry.wait_for_change.remote(epoch, poll_s))
             except ray.exceptions.RayActorError:
+                if registry_answers_again(self.registry, give_up=should_stop):
+                    continue  # Ray restarted it; it read its saved state back
                 logger.warning("the registry of namespace %r is gone", self.namespace)
                 return
             if membership.stopping:
@@ -130,6 +137,28 @@ class ClusterHandle:
             self.namespace,
             [REGISTRY_NAME, COORDINATOR_NAME] + [engine_actor_name(r) for r in sorted(ranks)],
         )
+
+
+def registry_answers_again(
+    registry: ActorHandle,
+    wait_s: float = REGISTRY_RESTART_WAIT_S,
+    give_up: Callable[[], bool] | None = None,
+) -> bool:
+    """Whether a registry whose call just failed answers again within `wait_s` (blocks).
+
+    Ray restarts a registry that dies and it reads its saved state back; one killed on purpose
+    (`ClusterHandle.shutdown`) stays dead, and this returns False after `wait_s`, or as soon
+    as `give_up()` is true.
+    """
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not (give_up is not None and give_up()):
+        time.sleep(0.5)
+        try:
+            ray.get(registry.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue
+    return False
 
 
 def launch(

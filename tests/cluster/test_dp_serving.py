@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -177,6 +178,12 @@ async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(
 ) -> None:
     before = await cluster.registry.membership.remote()
     own_index = _client(llm).client_index
+    # What `shoal serve` does while it serves: it must keep serving through the restart.
+    done_serving = threading.Event()
+    server = threading.Thread(
+        target=cluster.wait_until_stop_requested, args=(0.5, done_serving.is_set), daemon=True
+    )
+    server.start()
     ray.kill(cluster.registry, no_restart=False)
     deadline = time.monotonic() + 30
     while True:
@@ -202,6 +209,9 @@ async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(
         assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
     finally:
         await late.shutdown()
+    assert server.is_alive()
+    done_serving.set()
+    server.join(timeout=5)
     # The next test kills a rank: the restarted registry must be watching the engines again.
 
 
