@@ -196,26 +196,17 @@ def launch(
         raise ClusterExistsError(f"a shoal cluster already runs in namespace {namespace!r}")
     resources = resources or _default_resources()
     lifetime = "detached" if detached else None
+    # Both are restarted by Ray when they die: the registry reads its saved state back and the
+    # coordinator binds its old addresses again (see their modules).
+    control = {"namespace": namespace, "lifetime": lifetime, "num_cpus": 0, "max_restarts": -1}
     registry: ActorHandle = (
         ray.remote(RegistryActor)
-        .options(
-            name=REGISTRY_NAME,
-            namespace=namespace,
-            lifetime=lifetime,
-            num_cpus=0,
-            max_restarts=-1,  # it reads its saved state back: see actors/registry.py
-        )
+        .options(name=REGISTRY_NAME, **control)
         .remote(namespace, config, detached)
     )
     coordinator: ActorHandle = (
         ray.remote(CoordinatorActor)
-        .options(
-            name=COORDINATOR_NAME,
-            namespace=namespace,
-            lifetime=lifetime,
-            num_cpus=0,
-            max_restarts=-1,  # it binds its old addresses again: see actors/coordinator.py
-        )
+        .options(name=COORDINATOR_NAME, **control)
         .remote(host or "", namespace)
     )
     handle = ClusterHandle(namespace, registry, coordinator)
