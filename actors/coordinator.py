@@ -60,11 +60,11 @@ class CoordinatorActor:
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.report_address = _bind(self._pull, host, previous[0])
+        self.report_address = bind_previous_or_new(self._pull, host, previous[0])
         self._xpub = self._context.socket(zmq.XPUB)
         self._xpub.setsockopt(zmq.LINGER, 0)
         self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscribe, not only the first
-        self.publish_address = _bind(self._xpub, host, previous[1])
+        self.publish_address = bind_previous_or_new(self._xpub, host, previous[1])
         if registry is not None:
             logger.warning("coordinator restarted at %s", self.addresses())
             if self.addresses() != previous:
@@ -172,7 +172,7 @@ class CoordinatorActor:
         return has_joined
 
 
-def _bind(socket: zmq.Socket, host: str, previous: str | None) -> str:
+def bind_previous_or_new(socket: zmq.Socket, host: str, previous: str | None) -> str:
     """Binds `previous` if given and possible, else a new port on `host`; returns the address."""
     if previous is not None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import ray
 import zmq
 
-from actors.coordinator import CoordinatorActor
+from actors.coordinator import CoordinatorActor, bind_previous_or_new
 from engine.protocol import DPStatsSnapshot, EngineStatsReport, SchedulerStats
 
 _decoder = msgspec.msgpack.Decoder(DPStatsSnapshot)
@@ -174,3 +175,18 @@ def test_malformed_reports_are_dropped_and_the_loop_keeps_running(
     for rank in (3, 4):
         ray.get(coordinator.forget_rank.remote(rank))
     assert not {3, 4} & set(ray.get(coordinator.latest_stats.remote()))
+
+
+def test_a_restarted_coordinator_binds_its_old_address_or_else_a_new_one(
+    zmq_context: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    with socket.socket() as probe:  # a port that was in use and is free again
+        probe.bind(("127.0.0.1", 0))
+        old = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    again = zmq_context.socket(zmq.PULL)
+    assert bind_previous_or_new(again, "127.0.0.1", old) == old  # free again: the same address
+    taken = zmq_context.socket(zmq.PULL)
+    new = bind_previous_or_new(taken, "127.0.0.1", old)  # still bound by `again`: a new port
+    assert new != old and new.startswith("tcp://127.0.0.1:")
+    again.close(linger=0)
+    taken.close(linger=0)
