@@ -151,20 +151,26 @@ async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
         on_snapshot(snapshot)
 
     client._on_stats_snapshot = record  # type: ignore[method-assign]
-    before = ray.get(cluster.registry.membership.remote())
-    ray.kill(cluster.coordinator, no_restart=False)
     deadline = time.monotonic() + 30
-    while True:  # the old incarnation's last snapshots, then the new one's from seq 1
+    while not snapshots:  # one from the running coordinator first
+        await asyncio.sleep(0.05)
+    before = await cluster.registry.membership.remote()
+    ray.kill(cluster.coordinator, no_restart=False)
+
+    def restarted() -> list[DPStatsSnapshot]:
+        """Snapshots from the first one whose seq went back (a new incarnation counts anew)."""
+        for i in range(1, len(snapshots)):
+            if snapshots[i].seq < snapshots[i - 1].seq:
+                return snapshots[i:]
+        return []
+
+    while not any({r.engine_index for r in s.reports} == {0, 1} for s in restarted()):
+        assert time.monotonic() < deadline, ("no snapshot from the restarted coordinator", before)
         await asyncio.sleep(0.1)
-        fresh = [s for s in snapshots[1:] if s.seq < snapshots[0].seq]
-        if fresh and {r.engine_index for r in fresh[-1].reports} == {0, 1}:
-            break
-        assert time.monotonic() < deadline, "no snapshot from the restarted coordinator"
-    after = ray.get(cluster.registry.membership.remote())
-    assert (after.stats_report_address, after.stats_publish_address) == (
-        before.stats_report_address,
-        before.stats_publish_address,
-    )
+    addresses = await cluster.coordinator.addresses.remote()
+    assert addresses == (before.stats_report_address, before.stats_publish_address)
+    after = await cluster.registry.membership.remote()
+    assert (after.stats_report_address, after.stats_publish_address) == addresses
     late = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="late driver")
     try:
         output = await _final(late, "after the restart", _params(3))
