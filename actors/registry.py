@@ -291,7 +291,8 @@ class RegistryActor:
 
     async def clients(self) -> list[ClientInfo]:
         """The attached clients by index (gone clients are pruned first)."""
-        self._prune_clients()
+        if self._prune_clients():
+            self._save()
         return sorted(self._state.clients.values(), key=lambda c: c.client_index)
 
     # --- lifecycle and scaling ------------------------------------------------------------------
@@ -414,7 +415,8 @@ class RegistryActor:
         self._state.clients[client_index] = replace(info, last_seen=time.time())
         return True
 
-    def _prune_clients(self) -> None:
+    def _prune_clients(self) -> bool:
+        """Drops clients silent past the timeout; True if any went (the caller saves)."""
         cutoff = time.time() - self.client_timeout_s
         silent = [i for i, c in self._state.clients.items() if c.last_seen < cutoff]
         for index in silent:
@@ -422,8 +424,7 @@ class RegistryActor:
                 "client %d (%s) went silent; pruned", index, self._state.clients[index].name
             )
             del self._state.clients[index]
-        if silent:
-            self._save()
+        return bool(silent)
 
     def _watch(self, rank: int, actor_name: str, identity: bytes) -> None:
         previous = self._watchers.pop(rank, None)

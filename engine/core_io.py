@@ -61,6 +61,22 @@ class Op:
     WAKE = 8  # (WAKE,): no work, only wakes the busy loop
 
 
+def close_monitored(
+    socket: zmq.Socket | None, monitor: zmq.Socket | None, linger_ms: int = 0
+) -> None:
+    """Closes a monitored socket and its monitor's reader (either may be None), safely.
+
+    Monitoring stops first: an event sent to a reader that is already closed blocks libzmq's
+    I/O thread for good (libzmq#3575), and with it every socket of the context.
+    """
+    if socket is not None:
+        socket.disable_monitor()
+    if monitor is not None:
+        monitor.close(linger=0)
+    if socket is not None:
+        socket.close(linger=linger_ms)
+
+
 _REQUEST_TYPES = {t.value: t for t in EngineCoreRequestType}
 _UtilityCall = tuple[int, int, str, list[Any]]
 
@@ -342,9 +358,7 @@ class InputThread(threading.Thread):
                 hello.output_address,
                 e,
             )
-            push.disable_monitor()
-            monitor.close(linger=0)
-            push.close(linger=0)
+            close_monitored(push, monitor)
             return
         connection = _ClientConnection(
             routing_id, hello.client_index, hello.output_address, monitor
@@ -395,9 +409,8 @@ class InputThread(threading.Thread):
         del self._by_client_index[connection.client_index]
         del self._monitors[connection.monitor]
         self._poller.unregister(connection.monitor)
-        # Not closed here: a monitor's reader must outlive the monitoring, or libzmq's I/O
-        # thread blocks for good on the next event (libzmq#3575), and with it every socket of
-        # the engine. The output thread, owner of the PUSH, stops monitoring and then closes it.
+        # Not closed here: the reader must outlive the monitoring (see `close_monitored`), and
+        # the PUSH is the output thread's, which closes both.
         self._work_queue.put((Op.DETACH, connection.client_index, connection.monitor))
 
     def _on_monitor_event(self, connection: _ClientConnection) -> None:

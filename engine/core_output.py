@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from engine.core_io import Op
+from engine.core_io import Op, close_monitored
 from engine.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineStatsReport, UtilityOutput
 from engine.serial import MsgpackEncoder
 
@@ -90,8 +90,8 @@ class OutputThread(threading.Thread):
         finally:
             with self._socket_lock:
                 for push in self._pushes.values():
-                    push.disable_monitor()
-                    push.close(linger=linger_ms)
+                    # Readers of attached clients' monitors close with the context.
+                    close_monitored(push, None, linger_ms)
                 if self._stats_socket is not None:
                     self._stats_socket.close(linger=0)
 
@@ -104,11 +104,7 @@ class OutputThread(threading.Thread):
             self._pushes[item[1]] = item[2]
             self._send(item[1], item[3])
         elif op == Op.DETACH:
-            push = self._pushes.pop(item[1], None)
-            if push is not None:
-                push.disable_monitor()  # before its reader closes (see InputThread._detach)
-                push.close(linger=0)
-            item[2].close(linger=0)
+            close_monitored(self._pushes.pop(item[1], None), item[2])
         elif op == Op.STATS:
             self._send_stats(item[1])
         elif op == Op.DEAD:

@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from engine.core_io import InputThread, Op
+from engine.core_io import InputThread, Op, close_monitored
 from engine.protocol import EngineCoreRequestType, EngineFacts, EngineHello
 from engine.serial import MsgpackEncoder
 
@@ -56,12 +56,10 @@ def test_a_goodbye_and_its_disconnect_in_one_poll_leave_the_thread_serving() -> 
         thread.serve_once(0)
         [(op, client_index, monitor)] = _work(work_queue)
         assert (op, client_index) == (Op.DETACH, 5)
-        pushes[0].disable_monitor()  # what the output thread does with a DETACH
-        monitor.close(linger=0)
+        close_monitored(pushes.pop(0), monitor)  # what the output thread does with a DETACH
 
         attach(6)  # still serving: a new client attaches
     finally:
         for push in pushes:
-            push.disable_monitor()
-            push.close(linger=0)
+            close_monitored(push, None)
         ctx.destroy(linger=0)
