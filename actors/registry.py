@@ -1,7 +1,9 @@
 """`RegistryActor`: the cluster's source of truth for membership, endpoints, epochs and clients.
 
 One named actor per namespace. Engines register their own ZMQ endpoints; the registry watches
-each registered engine actor and marks its rank DEAD the moment the actor dies. Clients read
+each registered engine actor and marks its rank DEAD the moment the actor dies, and when a
+client reports an engine lost it probes the actor and restarts it if it hangs
+(`actors/engine_liveness.py`). Clients read
 the membership and long-poll `wait_for_change` to learn of restarts and resizes. Control plane
 only: nothing here is on the per-request path, and it knows nothing of placement groups.
 
@@ -24,6 +26,14 @@ import msgspec
 import ray
 from ray.experimental import internal_kv
 
+from actors.engine_liveness import (
+    ENGINE_PROBE_TIMEOUT_S,
+    Liveness,
+    find_actor,
+    probe_engine,
+    restart_engine,
+    watch_engine,
+)
 from engine.config import EngineConfig
 from engine.protocol import EngineEndpoint
 
@@ -35,11 +45,6 @@ STATE_KEY = "shoal-registry-state"
 
 # A client that has not long-polled or heartbeated for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
-
-# Method every engine actor offers for liveness: it blocks until the engine stops on purpose,
-# and fails (RayActorError) if the actor dies. Engines also offer `ready() -> EngineEndpoint`.
-ENGINE_WATCH_METHOD = "wait_for_exit"
-_UNAVAILABLE_RETRY_S = 0.2
 
 
 class RankState(enum.StrEnum):
@@ -122,6 +127,8 @@ class RegistryActor:
         config: the engine configuration every rank is built from.
         detached: whether the cluster outlives the driver that launched it.
         client_timeout_s: a client silent for this long is pruned.
+        engine_probe_timeout_s: an engine reported lost that does not answer a health probe
+            within this long is restarted.
     """
 
     def __init__(
@@ -130,13 +137,16 @@ class RegistryActor:
         config: EngineConfig,
         detached: bool = False,
         client_timeout_s: float = CLIENT_TIMEOUT_S,
+        engine_probe_timeout_s: float = ENGINE_PROBE_TIMEOUT_S,
     ) -> None:
         self.namespace = namespace
         self.detached = detached
         self.client_timeout_s = client_timeout_s
+        self.engine_probe_timeout_s = engine_probe_timeout_s
         self._state = _State(config=config)
         self._changed = asyncio.Event()
         self._watchers: dict[int, asyncio.Task[None]] = {}
+        self._probes: dict[bytes, asyncio.Task[bool]] = {}
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore()
         self._save()
@@ -178,21 +188,31 @@ class RegistryActor:
         return incarnation
 
     async def report_engine_dead(self, rank: int, identity: bytes) -> bool:
-        """Marks a rank DEAD if `identity` is still its current endpoint.
+        """A client lost its connection to the incarnation `identity` of `rank`.
 
-        A report about an older incarnation (the rank has already re-registered) is ignored.
+        One client's word does not take a rank away from every client: the fault may be that
+        client's own connection. The registry asks the actor itself (`probe_engine`); an engine
+        that answers as `identity` stays READY. One that does not answer in time is hung (a
+        stopped process, a stuck kernel): it is marked DEAD and killed, and Ray starts it again
+        under a new identity. One whose actor is gone is marked DEAD. Reports about an older
+        incarnation change nothing; concurrent reports about one incarnation share one probe.
 
         Returns:
-            Whether the rank was marked dead.
+            Whether the rank is now DEAD because of this report (False: the client should
+            attach to whatever the membership lists).
         """
-        info = self._state.ranks.get(rank)
-        if info is None or info.endpoint is None or info.endpoint.identity != identity:
+        if not self._is_current(rank, identity):
             return False
-        if info.state not in (RankState.READY, RankState.LEAVING):
+        if self._state.ranks[rank].state not in (RankState.READY, RankState.LEAVING):
             return False
-        self._set_rank(replace(info, state=RankState.DEAD))
-        self._bump()
-        return True
+        probe = self._probes.get(identity)
+        if probe is None:
+            probe = asyncio.get_running_loop().create_task(
+                self._probe_reported_engine(rank, identity)
+            )
+            self._probes[identity] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(identity, None))
+        return await asyncio.shield(probe)
 
     async def set_rank_leaving(self, rank: int) -> int:
         """Marks a rank as leaving (clients stop routing to it). Returns the new epoch.
@@ -435,34 +455,41 @@ class RegistryActor:
         )
 
     async def _watch_engine(self, rank: int, actor_name: str, identity: bytes) -> None:
-        """Marks the rank DEAD when the incarnation registered as `identity` dies.
-
-        The engine registers from inside its constructor, so Ray may still call the actor
-        restarting (calls fail with ActorUnavailableError) until the constructor returns:
-        first wait for `ready()` to answer with this identity, then keep one call pending.
-        """
-        try:
-            actor: Any = ray.get_actor(actor_name, namespace=self.namespace)
-        except ValueError:
+        """Marks the rank DEAD when the incarnation registered as `identity` dies."""
+        actor = find_actor(actor_name, self.namespace)
+        if actor is None:
             logger.warning("rank %d: no actor %r to watch; liveness unknown", rank, actor_name)
             return
-        try:
-            while True:
-                try:
-                    endpoint: EngineEndpoint = await actor.ready.remote()
-                    break
-                except ray.exceptions.ActorUnavailableError:
-                    if not self._is_current(rank, identity):
-                        return  # a newer incarnation has registered and is watched
-                    await asyncio.sleep(_UNAVAILABLE_RETRY_S)
-            if endpoint.identity != identity:
-                return
-            await getattr(actor, ENGINE_WATCH_METHOD).remote()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # RayActorError and kin: this incarnation is gone
-            logger.warning("rank %d: engine actor died (%s)", rank, type(e).__name__)
-            await self.report_engine_dead(rank, identity)
+        if await watch_engine(actor, identity, lambda: self._is_current(rank, identity)):
+            logger.warning("rank %d: engine actor died", rank)
+            self._mark_dead(rank, identity)
+
+    async def _probe_reported_engine(self, rank: int, identity: bytes) -> bool:
+        actor = find_actor(self._state.ranks[rank].actor_name, self.namespace)
+        liveness = await probe_engine(actor, identity, self.engine_probe_timeout_s)
+        if liveness == Liveness.ALIVE:
+            logger.info("rank %d was reported lost by a client but answers; kept", rank)
+            return False
+        if liveness == Liveness.HUNG:
+            logger.warning(
+                "rank %d was reported lost and did not answer a health probe in %.0f s; "
+                "restarting it",
+                rank,
+                self.engine_probe_timeout_s,
+            )
+            restart_engine(actor)
+        return self._mark_dead(rank, identity)
+
+    def _mark_dead(self, rank: int, identity: bytes) -> bool:
+        """Marks a rank DEAD if `identity` is still its serving incarnation."""
+        info = self._state.ranks.get(rank)
+        if not self._is_current(rank, identity) or info is None:
+            return False
+        if info.state not in (RankState.READY, RankState.LEAVING):
+            return False
+        self._set_rank(replace(info, state=RankState.DEAD))
+        self._bump()
+        return True
 
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)

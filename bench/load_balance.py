@@ -243,7 +243,8 @@ def main() -> None:
     results: dict[str, list[Record]] = {name: [] for name in POLICIES}
     try:
         seconds_per_token = asyncio.run(
-            prefill_seconds_per_token(cluster.namespace, args.max_num_batched_tokens)
+            # one full step, within the bench model's 2048-token context
+            prefill_seconds_per_token(cluster.namespace, min(args.max_num_batched_tokens, 1024))
         )
         for _ in range(args.rounds):
             for name, policy in POLICIES.items():

@@ -384,6 +384,39 @@ class AsyncMPClient(MPClient):
         """
         self._ensure_output_queue_task()
         self._connect_engine(endpoint, process)
+        return await self._hello_async(endpoint)
+
+    async def reattach_engine_async(self, engine_index: int) -> EngineFacts:
+        """Says HELLO again to an engine this client counted dead, whose process lives on.
+
+        For a connection that failed on this client's side (its heartbeats timed out while the
+        engine was paused, say): ZMQ connects the socket again by itself, and the engine, given
+        a HELLO from this client's output address on a new connection, drops the old one with
+        its requests (this client has already failed them). The engine keeps its identity, so
+        the socket is not disconnected and connected again: libzmq refuses a routing id that a
+        closing connection still holds (libzmq#1572).
+
+        Only for a client whose engines may come back (`resources.engines_can_return`, as a
+        cluster link sets it): otherwise the death of its last engine ends its output task.
+
+        Raises:
+            ValueError: the engine is not attached, or not counted dead, or engines of this
+                client may not come back.
+            EngineAttachError, EngineDeadError, TimeoutError: as for `add_engine_async`.
+        """
+        endpoint = self.engines.get(engine_index)
+        if endpoint is None or engine_index not in self.resources.dead_engines:
+            raise ValueError(f"engine {engine_index} is not an attached engine counted dead")
+        if not self.resources.engines_can_return:
+            raise ValueError("this client's engines may not come back (engines_can_return)")
+        self._ensure_output_queue_task()
+        assert self.resources.engine_monitor is not None
+        self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        self.resources.dead_engines.discard(engine_index)
+        return await self._hello_async(endpoint)
+
+    async def _hello_async(self, endpoint: EngineEndpoint) -> EngineFacts:
+        """HELLO on the connected input socket until answered; a failure detaches the engine."""
         call_id, message = self._hello_message()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = future

@@ -2,8 +2,9 @@
 
 This is the only part of `client/` that speaks Ray, and only on the control plane: it attaches
 (a client index from the registry), long-polls membership changes (which double as the
-client's heartbeat), connects to ranks that appear or come back with a new identity, drops
-ranks that leave, and reports ranks this client saw die.
+client's heartbeat), connects to ranks that appear or come back with a new identity (each
+HELLO in a task of its own, so a rank that never answers holds up nothing), drops ranks that
+leave, and reports ranks this client lost; the registry decides whether they are dead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Collection
 
 import ray
 from ray.actor import ActorHandle
@@ -24,11 +26,14 @@ from client.mp_client import EngineAttachError
 from cluster.launch import attach as attach_cluster
 from cluster.launch import registry_answers_again
 from engine.errors import EngineDeadError
+from engine.protocol import EngineEndpoint, EngineFacts
 
 logger = logging.getLogger(__name__)
 
 # Long-poll length: also how often the registry hears that this client is alive.
 WATCH_POLL_S = 2.0
+# How long a rank may leave this client's HELLO unanswered before it is reported lost.
+ATTACH_TIMEOUT_S = 10.0
 
 
 class ClusterLink:
@@ -46,6 +51,7 @@ class ClusterLink:
         self.membership = membership
         self.client_index = client_index
         self._reported_dead: set[bytes] = set()
+        self._attaching: dict[int, asyncio.Task[None]] = {}
         self._task = asyncio.create_task(self._watch(), name="ClusterMembershipWatch")
 
     @classmethod
@@ -74,22 +80,29 @@ class ClusterLink:
         client_index: int = await handle.registry.attach_client.remote(client_name)
         try:
             client = DPLBAsyncMPClient(
-                membership.routable_endpoints(),
+                [],
                 client_index=client_index,
                 host=host or ray.util.get_node_ip_address(),
                 stats_address=membership.stats_publish_address,
                 policy=POLICIES[policy](),
+                hello_timeout_s=ATTACH_TIMEOUT_S,
             )
         except BaseException:
             await handle.registry.detach_client.remote(client_index)
             raise
         # Ranks that die come back (Ray restarts them) and are attached again by the watch.
         client.resources.engines_can_return = True
-        return cls(handle.registry, client, membership, client_index)
+        link = cls(handle.registry, client, membership, client_index)
+        # Every rank that answers is attached before the driver sends anything; one that does
+        # not is reported (the registry restarts it if it hangs) and attached when it is back.
+        await asyncio.gather(*await link._reconcile(membership))
+        return link
 
     async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [self._task, *self._attaching.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(ray.exceptions.RayActorError):  # the cluster may be gone
             await self.registry.detach_client.remote(self.client_index)
 
@@ -105,30 +118,82 @@ class ClusterLink:
                     continue  # Ray restarted it; it read its saved state back
                 logger.warning("the cluster registry is gone; no more membership updates")
                 return
+            reported, kept = await self._report_lost_engines()
+            if reported:  # the registry's probes took time: read the membership again
+                membership = await self.registry.membership.remote()
             epoch, self.membership = membership.epoch, membership
-            await self._report_dead_engines()
-            await self._reconcile(membership)
+            await self._reconcile(membership, reattach=kept)
 
-    async def _reconcile(self, membership: Membership) -> None:
+    async def _reconcile(
+        self, membership: Membership, reattach: Collection[int] = ()
+    ) -> list[asyncio.Task[None]]:
+        """Brings this client's engine set in line with the membership.
+
+        Drops ranks the membership no longer lists as this client knows them; starts, each in
+        a task, a HELLO to every listed rank this client lacks and a repeated HELLO to the
+        `reattach` ranks (lost on this client's side only). Returns the tasks it started.
+        """
         wanted = {e.engine_index: e for e in membership.routable_endpoints()}
         for rank, endpoint in list(self.client.engines.items()):
             current = wanted.get(rank)
             if current is None or current.identity != endpoint.identity:
                 logger.info("rank %d left or restarted; detaching", rank)
-                self.client.remove_engine(rank)
+                self.client.remove_engine(rank)  # fails its HELLO too, if one is pending
+        started = []
         for rank, endpoint in wanted.items():
-            if rank in self.client.engines:
+            hello: Awaitable[EngineFacts]
+            if rank in self._attaching:
                 continue
-            try:
-                await self.client.add_engine_async(endpoint)
-                logger.info("attached rank %d at %s", rank, endpoint.input_address)
-            except (EngineAttachError, EngineDeadError, TimeoutError) as e:
-                logger.warning("could not attach rank %d: %s", rank, e)
+            if rank not in self.client.engines:
+                hello = self.client.add_engine_async(endpoint)
+            elif rank in reattach and rank in self.client.resources.dead_engines:
+                hello = self.client.reattach_engine_async(rank)
+            else:
+                continue
+            task = asyncio.create_task(self._attach_rank(endpoint, hello), name=f"Attach{rank}")
+            self._attaching[rank] = task
+            started.append(task)
+        return started
 
-    async def _report_dead_engines(self) -> None:
+    async def _attach_rank(self, endpoint: EngineEndpoint, hello: Awaitable[EngineFacts]) -> None:
+        """One rank's HELLO, off the watch loop: a rank that never answers holds up nothing."""
+        rank = endpoint.engine_index
+        try:
+            await hello
+            logger.info("attached rank %d at %s", rank, endpoint.input_address)
+        except TimeoutError:
+            logger.warning("rank %d did not answer HELLO; reporting it to the registry", rank)
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                await self.registry.report_engine_dead.remote(rank, endpoint.identity)
+        except (EngineAttachError, EngineDeadError) as e:
+            logger.warning("could not attach rank %d: %s", rank, e)
+        finally:
+            if self._attaching.get(rank) is asyncio.current_task():
+                del self._attaching[rank]
+
+    async def _report_lost_engines(self) -> tuple[bool, list[int]]:
+        """Tells the registry of the ranks this client lost since it last looked.
+
+        The registry probes each one and keeps those whose engine answers (this client's
+        connection was at fault); this client then says HELLO to them again.
+
+        Returns:
+            Whether it reported any, and the ranks the registry kept.
+        """
+        reported, kept = False, list[int]()
         for rank in list(self.client.resources.dead_engines):
             endpoint = self.client.engines.get(rank)
             if endpoint is None or endpoint.identity in self._reported_dead:
                 continue
+            reported = True
             self._reported_dead.add(endpoint.identity)
-            await self.registry.report_engine_dead.remote(rank, endpoint.identity)
+            try:
+                dead = await self.registry.report_engine_dead.remote(rank, endpoint.identity)
+            except ray.exceptions.RayActorError:  # the registry is restarting: next turn
+                self._reported_dead.discard(endpoint.identity)
+                break
+            if not dead:
+                logger.warning("rank %d is lost to this client only; attaching again", rank)
+                self._reported_dead.discard(endpoint.identity)
+                kept.append(rank)
+        return reported, kept

@@ -126,9 +126,17 @@ class DPAsyncMPClient(AsyncMPClient):
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None
     ) -> EngineFacts:
         facts = await super().add_engine_async(endpoint, process)
-        if endpoint.engine_index not in self.lb_engines:
-            self.lb_engines = sorted([*self.lb_engines, endpoint.engine_index])
+        self._start_routing_to(endpoint.engine_index)
         return facts
+
+    async def reattach_engine_async(self, engine_index: int) -> EngineFacts:
+        facts = await super().reattach_engine_async(engine_index)
+        self._start_routing_to(engine_index)
+        return facts
+
+    def _start_routing_to(self, engine_index: int) -> None:
+        if engine_index not in self.lb_engines:
+            self.lb_engines = sorted([*self.lb_engines, engine_index])
 
     def remove_engine(self, engine_index: int) -> None:
         self._stop_routing_to(engine_index)

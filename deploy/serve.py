@@ -169,9 +169,10 @@ def _rank_resources(args: argparse.Namespace) -> RankResources:
 
 
 def configure_logging() -> None:
+    """INFO logs on stderr: stdout carries only what a command prints (`--json` documents)."""
     logging.basicConfig(
         level=logging.INFO,
-        stream=sys.stdout,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 

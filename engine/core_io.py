@@ -90,6 +90,7 @@ class _ClientConnection:
         CONNECTED ──output disconnected──▶ SUSPECT ──output handshake──▶ CONNECTED
         CONNECTING/SUSPECT ──deadline passed──▶ DETACHED
         any ──GOODBYE, or a HELLO for its index while SUSPECT──▶ DETACHED
+        any ──a HELLO for its index and output address on another connection──▶ DETACHED
 
     `deadline` is set exactly in CONNECTING and SUSPECT. DETACHED aborts every request of the
     client and closes its PUSH; its routing id and client index are free again. Frames from a
@@ -329,14 +330,20 @@ class InputThread(threading.Thread):
             return
         other = self._by_client_index.get(hello.client_index)
         if other is not None:
-            if not other.is_suspect:
+            if other.output_address == hello.output_address:
+                # Only the client bound to that address can name it: the same client came back
+                # on a new connection (its old one failed on its side; it has given up on the
+                # requests it sent there).
+                self._detach(other, "it reconnected")
+            elif other.is_suspect:
+                self._detach(other, "a new connection took over its client index")
+            else:
                 self._refuse(
                     hello,
                     f"client_index {hello.client_index} is already attached to another live "
                     "connection; use a distinct client_index per client",
                 )
                 return
-            self._detach(other, "a new connection took over its client index")
         self._attach(routing_id, hello)
 
     def _attach(self, routing_id: bytes, hello: EngineHello) -> None:

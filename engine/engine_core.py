@@ -130,7 +130,7 @@ class EngineCore:
         request_ids = self.scheduler.request_ids_of_client(client_index)
         self.scheduler.abort_requests(request_ids)
         self._rejected.pop(client_index, None)
-        self.requests_seen.pop(client_index, None)  # its index may be reused by a new client
+        self.requests_seen.pop(client_index, None)  # if it attaches again, it counts afresh
         return request_ids
 
     def has_unfinished_requests(self) -> bool:

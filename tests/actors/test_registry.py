@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import ray
 
-from actors.registry import ENGINE_WATCH_METHOD, RankState, RegistryActor
+from actors.engine_liveness import ENGINE_WATCH_METHOD
+from actors.registry import RankState, RegistryActor
 from engine.config import EngineConfig
 from engine.protocol import EngineEndpoint
 from tests.ray_utils import unique_namespace
@@ -28,7 +29,7 @@ def registry(namespace: str) -> Iterator[Any]:
     actor: Any = (
         ray.remote(RegistryActor)
         .options(name="shoal-registry", namespace=namespace, num_cpus=0)
-        .remote(namespace, CONFIG, client_timeout_s=1.0)
+        .remote(namespace, CONFIG, client_timeout_s=1.0, engine_probe_timeout_s=1.0)
     )
     yield actor
     ray.kill(actor)
@@ -143,14 +144,24 @@ def test_scale_lock_has_one_owner_at_a_time(registry: Any) -> None:
 
 
 class _WatchedActor:
-    """Offers the liveness method the registry calls on every registered engine."""
+    """Offers the liveness methods the registry calls on every registered engine."""
 
     def __init__(self, rank: int) -> None:
         self._exited = threading.Event()
+        self._answering = threading.Event()
+        self._answering.set()
         self.rank = rank
 
     def ready(self) -> EngineEndpoint:
         return _endpoint(self.rank, b"id")
+
+    def health(self) -> dict[str, Any]:
+        self._answering.wait()  # a hung engine never answers
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        return {"identity": "id", "restarted": restarted}
+
+    def hang(self) -> None:
+        self._answering.clear()
 
     def exit_cleanly(self) -> None:
         self._exited.set()
@@ -171,16 +182,28 @@ def _wait_for_state(registry: Any, rank: int, state: RankState) -> None:
     raise AssertionError(f"rank {rank} never became {state}")
 
 
-def test_a_dead_engine_actor_turns_its_rank_dead(registry: Any, namespace: str) -> None:
+def _watched_ranks(registry: Any, namespace: str, max_restarts: int = 0) -> list[Any]:
+    """Two ranks served by `_WatchedActor`s, registered as identity b"id"."""
     actors: list[Any] = [
         ray.remote(_WatchedActor)
-        .options(name=f"watched-{r}", namespace=namespace, max_concurrency=4, num_cpus=0)
+        .options(
+            name=f"watched-{r}",
+            namespace=namespace,
+            max_concurrency=4,
+            num_cpus=0,
+            max_restarts=max_restarts,
+        )
         .remote(r)
         for r in (0, 1)
     ]
     for rank in (0, 1):
         ray.get(registry.plan_rank.remote(rank, f"watched-{rank}", f"pg-{rank}"))
         ray.get(registry.register_engine.remote(_endpoint(rank, b"id"), "10.0.0.1"))
+    return actors
+
+
+def test_a_dead_engine_actor_turns_its_rank_dead(registry: Any, namespace: str) -> None:
+    actors = _watched_ranks(registry, namespace)
     epoch = ray.get(registry.membership.remote()).epoch
 
     ray.kill(actors[0])
@@ -192,3 +215,35 @@ def test_a_dead_engine_actor_turns_its_rank_dead(registry: Any, namespace: str) 
     time.sleep(1.0)
     assert ray.get(registry.membership.remote()).ranks[1].state == RankState.READY
     ray.kill(actors[1])
+
+
+def test_a_reported_engine_is_probed_kept_if_it_answers_and_restarted_if_it_hangs(
+    registry: Any, namespace: str
+) -> None:
+    actors = _watched_ranks(registry, namespace, max_restarts=1)
+    epoch = ray.get(registry.membership.remote()).epoch
+
+    # A client lost rank 0, but the engine answers: the client's connection was at fault.
+    assert not ray.get(registry.report_engine_dead.remote(0, b"id"))
+    membership = ray.get(registry.membership.remote())
+    assert membership.ranks[0].state == RankState.READY and membership.epoch == epoch
+
+    # Rank 1 hangs. Two clients report it at once; one probe decides for both.
+    ray.get(actors[1].hang.remote())
+    started = time.monotonic()
+    reports = [registry.report_engine_dead.remote(1, b"id") for _ in range(2)]
+    assert ray.get(reports) == [True, True]
+    assert 0.5 <= time.monotonic() - started < 10  # the probe's deadline, not forever
+    membership = ray.get(registry.membership.remote())
+    assert membership.ranks[1].state == RankState.DEAD and membership.epoch == epoch + 1
+    # ... and its actor was killed for Ray to start again (it would then register anew).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert ray.get(actors[1].health.remote(), timeout=30)["restarted"]
+            break
+        except ray.exceptions.ActorUnavailableError:  # still starting
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    for actor in actors:
+        ray.kill(actor)

@@ -101,6 +101,41 @@ async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_moni
         stop_engine_process(process)
 
 
+@pytest.mark.slow
+async def test_a_paused_engine_counts_as_dead_and_is_attached_again_once_it_answers(
+    engine_checkpoint: str,
+) -> None:
+    process, endpoint = start_engine_process(tiny_config(engine_checkpoint), engine_index=4)
+    assert process.pid is not None
+    try:
+        client = AsyncMPClient([endpoint])
+        client.resources.engines_can_return = True  # as a cluster link's client
+        await client.add_request_async(request("paused", max_tokens=400))
+        await asyncio.wait_for(client.get_output_async(), 10)
+        os.kill(process.pid, signal.SIGSTOP)  # alive, but its heartbeats stop
+        try:
+            error = await _raises_dead(_drain_until_dead(client))
+            assert error.engine_index == 4
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        # Its process lives on: HELLO again on the same socket (ZMQ has reconnected it). The
+        # engine replaces the old connection and drops the request this client gave up on.
+        facts = await asyncio.wait_for(client.reattach_engine_async(4), 15)
+        assert facts.engine_index == 4 and 4 not in client.resources.dead_engines
+        deadline = time.monotonic() + 5
+        while (await client.call_utility_async("get_stats")).num_running_reqs:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        await client.add_request_async(request("resumed", max_tokens=3))
+        outputs = await asyncio.wait_for(client.get_output_async(), 10)
+        while not any(o.finished for o in outputs.outputs):
+            outputs = await asyncio.wait_for(client.get_output_async(), 10)
+        assert [o.request_id for o in outputs.outputs] == ["resumed"]
+        client.shutdown()
+    finally:
+        stop_engine_process(process)
+
+
 def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_use(
     engine_checkpoint: str,
 ) -> None:

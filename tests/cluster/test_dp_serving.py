@@ -1,8 +1,11 @@
-"""Drivers on a real two-rank cluster: routing, aborts, concurrent drivers, an engine killed."""
+"""Drivers on a real two-rank cluster: routing, aborts, concurrent drivers, engines killed or hung."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -15,7 +18,7 @@ import ray
 
 from actors.registry import RankState
 from client import AsyncLLM, SamplingParams
-from client.cluster_link import ClusterLink
+from client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
 from client.dp_client import DPLBAsyncMPClient
 from client.outputs import RequestOutput
 from cluster.launch import ClusterHandle, launch
@@ -273,3 +276,57 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
             break
         assert time.monotonic() < deadline, (snapshot, steps)
         await asyncio.sleep(0.1)
+
+
+async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_driver(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    victim, survivor = 1, 0
+    stuck = [
+        asyncio.create_task(_final(llm, f"stuck {i}", _params(400), data_parallel_rank=victim))
+        for i in range(2)
+    ]
+    while len(_client(llm).policy.in_flight) < 2:
+        await asyncio.sleep(0.01)
+    old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
+    pid = ray.get(cluster.engine(victim).health.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)  # alive to Ray, deaf to everyone
+    try:
+        stopped_at = time.monotonic()
+        # The driver's heartbeats to the rank go unanswered: its requests fail.
+        results = await asyncio.wait_for(asyncio.gather(*stuck, return_exceptions=True), 20)
+        assert time.monotonic() - stopped_at < 8.0
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+
+        # A driver that attaches meanwhile is not held up by the deaf rank.
+        started = time.monotonic()
+        newcomer = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="newcomer")
+        try:
+            assert time.monotonic() - started < ATTACH_TIMEOUT_S + 5
+            served = await asyncio.wait_for(_final(newcomer, "meanwhile", _params(4)), 30)
+            assert served.data_parallel_rank == survivor
+
+            # The registry probes the rank, finds it hung and has Ray start it again; both
+            # drivers attach the new incarnation.
+            deadline = time.monotonic() + 90
+            while True:
+                info = cluster.membership().ranks[victim]
+                if (
+                    info.state == RankState.READY
+                    and info.endpoint is not None
+                    and info.endpoint.identity != old_identity
+                    and all(victim in _client(d).lb_engines for d in (llm, newcomer))
+                ):
+                    break
+                assert time.monotonic() < deadline, (info, _client(newcomer).lb_engines)
+                await asyncio.sleep(0.2)
+            for driver in (llm, newcomer):
+                back = await asyncio.wait_for(
+                    _final(driver, "back", _params(4), data_parallel_rank=victim), 30
+                )
+                assert back.data_parallel_rank == victim
+        finally:
+            await newcomer.shutdown()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

@@ -19,6 +19,7 @@ from engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     EngineFacts,
+    EngineHello,
     EngineStatsReport,
     FinishReason,
     SchedulerStats,
@@ -36,6 +37,7 @@ from tests.engine.core_proc_utils import (
     wait_until,
 )
 
+_call_ids = itertools.count(1000)
 ADD = EngineCoreRequestType.ADD
 UTILITY = EngineCoreRequestType.UTILITY
 
@@ -105,6 +107,33 @@ def test_client_index_taken_by_a_live_connection_is_refused_until_it_leaves(
         assert second.collect_until_finished({"again"})["again"][-1].finished
     finally:
         second.close()
+
+
+def test_a_client_back_on_a_new_connection_replaces_its_old_one(
+    engine: ServedEngine, peer: RawPeer
+) -> None:
+    # The client's input connection failed on its side while a request ran; it gave up on the
+    # request and comes back on a new connection, with the same PULL.
+    peer.send_typed(ADD, request("lost", list(range(1, 40)), max_tokens=200))
+    assert peer.recv().outputs[0].request_id == "lost"
+    back = RawPeer(engine.endpoint, client_index=peer.client_index)
+    back.pull.close()
+    back.pull, back.output_address = peer.pull, peer.output_address
+    try:
+        hello = EngineHello(peer.client_index, peer.output_address, call_id=next(_call_ids))
+        back.send_typed(EngineCoreRequestType.HELLO, hello)
+        assert back.recv_utility(hello.call_id).failure_message is None
+
+        def old_request_is_gone() -> bool:
+            stats = _utility(back, next(_call_ids), "get_stats")
+            return isinstance(stats, SchedulerStats) and stats.num_free_blocks == NUM_BLOCKS
+
+        assert wait_until(old_request_is_gone, 5)
+        back.send_typed(ADD, request("again", max_tokens=2))
+        assert back.collect_until_finished({"again"})["again"][-1].finished
+    finally:
+        back.router.close(linger=0)
+        back.ctx.term()
 
 
 def test_client_index_in_requests_is_overwritten_by_the_bound_one(engine: ServedEngine) -> None:

@@ -1,0 +1,101 @@
+"""How the registry knows an engine actor is alive: a watch for deaths, a probe for hangs.
+
+Two questions, two answers:
+- *Has this incarnation died?* `watch_engine` keeps one call to the actor pending
+  (`ENGINE_WATCH_METHOD`); Ray fails it the moment the actor dies.
+- *Is it still answering?* A process can be alive and useless: stopped, swapped out, stuck in
+  a kernel. Clients notice first (their connection's heartbeats stop) and say so to the
+  registry, which does not take one client's word for it, since the fault may be that client's
+  own connection. `probe_engine` asks the actor itself through Ray, with a deadline.
+
+Both speak only to the actor's control methods, which answer while the engine computes (the
+actor is threaded), so a busy engine is never mistaken for a hung one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+# Method every engine actor offers for liveness: it blocks until the engine stops on purpose,
+# and fails (RayActorError) if the actor dies. Engines also offer `ready() -> EngineEndpoint`
+# and `health() -> dict` with at least the "identity" it registered.
+ENGINE_WATCH_METHOD = "wait_for_exit"
+# An engine actor that does not answer `health` within this long counts as hung.
+ENGINE_PROBE_TIMEOUT_S = 5.0
+_UNAVAILABLE_RETRY_S = 0.2
+
+
+class Liveness(enum.Enum):
+    ALIVE = "alive"  # answered as the incarnation asked about
+    REPLACED = "replaced"  # answered, as a newer incarnation
+    HUNG = "hung"  # did not answer in time
+    GONE = "gone"  # the actor is dead or was never there
+
+
+def find_actor(actor_name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(actor_name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+async def watch_engine(actor: Any, identity: bytes, is_current: Callable[[], bool]) -> bool:
+    """Waits until the incarnation registered as `identity` dies.
+
+    The engine registers from inside its constructor, so Ray may still call the actor
+    restarting (calls fail with ActorUnavailableError) until the constructor returns: first
+    wait for `ready()` to answer with this identity, then keep one call pending.
+
+    Args:
+        actor: the rank's actor handle.
+        identity: the incarnation to watch.
+        is_current: whether `identity` is still the rank's registered incarnation.
+
+    Returns:
+        True when that incarnation died; False when there is nothing to watch (a newer one
+        took its place, or it stopped on purpose).
+    """
+    try:
+        while True:
+            try:
+                endpoint = await actor.ready.remote()
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if not is_current():
+                    return False  # a newer incarnation has registered and is watched
+                await asyncio.sleep(_UNAVAILABLE_RETRY_S)
+        if endpoint.identity != identity:
+            return False
+        await getattr(actor, ENGINE_WATCH_METHOD).remote()
+        return False
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # RayActorError and kin: this incarnation is gone
+        return True
+
+
+async def probe_engine(
+    actor: Any | None, identity: bytes, timeout_s: float = ENGINE_PROBE_TIMEOUT_S
+) -> Liveness:
+    """Asks an engine actor for its health, waiting at most `timeout_s`."""
+    if actor is None:
+        return Liveness.GONE
+    try:
+        health = await asyncio.wait_for(actor.health.remote(), timeout_s)
+    except TimeoutError:
+        return Liveness.HUNG
+    except ray.exceptions.ActorUnavailableError:
+        return Liveness.REPLACED  # restarting: whatever comes up is a new incarnation
+    except ray.exceptions.RayActorError:
+        return Liveness.GONE
+    return Liveness.ALIVE if health["identity"].encode() == identity else Liveness.REPLACED
+
+
+def restart_engine(actor: Any) -> None:
+    """Kills a hung engine actor so that Ray starts it again (it then registers anew)."""
+    ray.kill(actor, no_restart=False)
