@@ -30,6 +30,7 @@ from engine.protocol import (
     EngineCoreRequest,
     EngineEndpoint,
     EngineFacts,
+    EngineStatsReport,
     SchedulerStats,
 )
 
@@ -56,6 +57,8 @@ class DPAsyncMPClient(AsyncMPClient):
         self.stats_address = stats_address
         # Elastic-EP events seen on EEP_NOTIFICATION_CALL_ID, latest last.
         self.eep_scaling_cache: list[Sequence[Any]] = []
+        # Ranks whose reports say they detached this client, until they count it again.
+        self._detached_ranks: set[int] = set()
         super().__init__(endpoints, **kwargs)
         # Ranks that may take new requests: attached and not known dead.
         self.lb_engines: list[int] = sorted(self.engines)
@@ -104,11 +107,38 @@ class DPAsyncMPClient(AsyncMPClient):
     def _on_stats_snapshot(self, snapshot: DPStatsSnapshot) -> None:
         self.current_wave = snapshot.current_wave
         for report in snapshot.reports:
-            endpoint = self.engines.get(report.engine_index)
+            rank = report.engine_index
+            endpoint = self.engines.get(rank)
             if endpoint is None or report.identity != endpoint.identity:
                 continue  # a rank not attached here, or the last word of a dead incarnation
+            if self._is_detached_by(report):
+                if rank not in self._detached_ranks:
+                    self._detached_ranks.add(rank)
+                    logger.warning(
+                        "engine %d no longer counts this client attached (it was unreachable "
+                        "too long); its requests there are lost",
+                        rank,
+                    )
+                    assert self.resources.engine_monitor is not None
+                    self.resources.engine_monitor.declare_lost(rank)
+                continue
+            self._detached_ranks.discard(rank)
             seen = report.requests_seen.get(self.client_index, 0)
-            self._on_rank_stats(report.engine_index, report.stats, seen)
+            self._on_rank_stats(rank, report.stats, seen)
+
+    def _is_detached_by(self, report: EngineStatsReport) -> bool:
+        """Whether a report of an engine this client is attached to says it is not (anymore).
+
+        Only a report that reflects this client's attach counts: one measured before it would
+        not list the client yet.
+        """
+        facts = self.engine_facts.get(report.engine_index)
+        return (
+            facts is not None
+            and 0 < facts.attach_serial <= report.attaches_seen
+            and self.client_index not in report.attached_clients
+            and report.engine_index not in self.resources.dead_engines
+        )
 
     def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
         """Hook for subclasses: one rank's load, measured after it had taken in

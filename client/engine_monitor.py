@@ -1,7 +1,8 @@
 """Notices engines that die without saying so, and tells the client's output consumer.
 
-An engine is declared dead when its process (if this client launched it) exits, or when the
-client's input connection to it drops and does not come back within a grace period. The notice
+An engine is declared dead when its process (if this client launched it) exits, when the
+client's input connection to it drops and does not come back within a grace period, or when
+the client is told that the engine no longer counts it attached (`declare_lost`). The notice
 is an ENGINE_CORE_DEAD message pushed into the client's own output socket, so the one consumer
 of that socket learns of every death the same way. Knows nothing of requests or asyncio.
 """
@@ -53,6 +54,13 @@ class EngineMonitor(threading.Thread):
                 self._processes[engine_index] = process
             self._reported.discard(engine_index)
             self._deadlines.pop(engine_index, None)
+
+    def declare_lost(self, engine_index: int) -> None:
+        """Reports an engine dead on the monitor's next turn (the client learned it otherwise:
+        the engine no longer counts it attached); thread-safe, once per attach."""
+        with self._lock:
+            if engine_index not in self._reported:
+                self._deadlines[engine_index] = 0.0
 
     def forget(self, engine_index: int) -> None:
         """Stops watching an engine that is being removed on purpose; thread-safe."""

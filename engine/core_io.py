@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, cast
 
+import msgspec
 import zmq
 
 from engine.protocol import (
@@ -97,15 +98,21 @@ class _ClientConnection:
     routing id with no connection are dropped (there is nowhere to answer them).
     """
 
-    __slots__ = ("client_index", "deadline", "monitor", "output_address", "routing_id")
+    __slots__ = ("client_index", "deadline", "monitor", "output_address", "routing_id", "serial")
 
     def __init__(
-        self, routing_id: bytes, client_index: int, output_address: str, monitor: zmq.Socket
+        self,
+        routing_id: bytes,
+        client_index: int,
+        output_address: str,
+        monitor: zmq.Socket,
+        serial: int,
     ) -> None:
         self.routing_id = routing_id
         self.client_index = client_index
         self.output_address = output_address
         self.monitor = monitor
+        self.serial = serial  # this engine's count of attaches when it attached (from 1)
         self.deadline: float | None = time.monotonic() + CONNECT_GRACE_S
 
     @property
@@ -149,6 +156,7 @@ class InputThread(threading.Thread):
         self._connections: dict[bytes, _ClientConnection] = {}
         self._by_client_index: dict[int, _ClientConnection] = {}
         self._monitors: dict[zmq.Socket, _ClientConnection] = {}
+        self._num_attaches = 0
         self._poller.register(router, zmq.POLLIN)
 
     def stop(self) -> None:
@@ -322,7 +330,8 @@ class InputThread(threading.Thread):
                 hello.client_index,
                 hello.output_address,
             ):
-                self._send(connection.client_index, self._hello_reply(hello))  # a repeated HELLO
+                # A repeated HELLO (its answer was lost): the same answer again.
+                self._send(connection.client_index, self._hello_reply(hello, connection.serial))
             else:
                 self._refuse(
                     hello, f"this connection is attached as client {connection.client_index}"
@@ -367,15 +376,17 @@ class InputThread(threading.Thread):
             )
             close_monitored(push, monitor)
             return
+        self._num_attaches += 1
         connection = _ClientConnection(
-            routing_id, hello.client_index, hello.output_address, monitor
+            routing_id, hello.client_index, hello.output_address, monitor, self._num_attaches
         )
         self._connections[routing_id] = connection
         self._by_client_index[hello.client_index] = connection
         self._monitors[monitor] = connection
         self._poller.register(monitor, zmq.POLLIN)
         # The PUSH belongs to the output thread from here on; the queue is the memory barrier.
-        self._work_queue.put((Op.ATTACH, hello.client_index, push, self._hello_reply(hello)))
+        reply = self._hello_reply(hello, connection.serial)
+        self._work_queue.put((Op.ATTACH, hello.client_index, push, reply, connection.serial))
         logger.info(
             "engine %d attached client %d (outputs to %s)",
             self._engine_index,
@@ -383,8 +394,9 @@ class InputThread(threading.Thread):
             hello.output_address,
         )
 
-    def _hello_reply(self, hello: EngineHello) -> EngineCoreOutputs:
-        result = UtilityResult(tag_structs(self._facts))
+    def _hello_reply(self, hello: EngineHello, serial: int) -> EngineCoreOutputs:
+        facts = msgspec.structs.replace(self._facts, attach_serial=serial)
+        result = UtilityResult(tag_structs(facts))
         return EngineCoreOutputs(
             engine_index=self._engine_index,
             utility_output=UtilityOutput(call_id=hello.call_id, result=result),

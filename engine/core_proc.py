@@ -121,8 +121,11 @@ class EngineCoreProc:
         self._next_stats_check = 0.0  # no look at the stats before this (rate limit)
         self._is_stats_dirty = True
         # Requests aborted because their client left: dropped from the next step's outputs so
-        # a new client that reuses the index never sees them.
+        # the client, should it attach again, never sees them.
         self._orphan_ids: dict[int, set[str]] = {}
+        # Attached clients as the stats reports tell them (see `EngineStatsReport`).
+        self._attached_clients: set[int] = set()
+        self._attaches_seen = 0
         self._lock = threading.Lock()
         self._is_shutdown_requested = False
         self._is_running = False
@@ -213,11 +216,16 @@ class EngineCoreProc:
         elif op == Op.UTILITY:
             self._call_utility(*item[1:])
         elif op == Op.DETACH:
+            self._attached_clients.discard(item[1])
             aborted = self.engine_core.abort_client_requests(item[1])
             if aborted:
                 self._orphan_ids[item[1]] = set(aborted)
             self._output_thread.submit(item)
-        elif op in (Op.ATTACH, Op.SEND):
+        elif op == Op.ATTACH:
+            self._attached_clients.add(item[1])
+            self._attaches_seen = item[4]
+            self._output_thread.submit(item)
+        elif op == Op.SEND:
             self._output_thread.submit(item)
         elif op == Op.DEAD:
             raise RuntimeError("an engine IO thread failed")
@@ -259,6 +267,8 @@ class EngineCoreProc:
             timestamp=time.time(),
             requests_seen=dict(self.engine_core.requests_seen),
             identity=self._identity,
+            attached_clients=sorted(self._attached_clients),
+            attaches_seen=self._attaches_seen,
         )
         self._output_thread.submit((Op.STATS, report))
 

@@ -232,6 +232,10 @@ class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     data_parallel_size: int = 1
     protocol_version: int = PROTOCOL_VERSION
+    # Which attach of this engine this answer concludes (1, 2, ...): the engine's stats reports
+    # say how many attaches they reflect, so a client can tell a report that predates its
+    # attach from one that no longer counts it (see `EngineStatsReport`).
+    attach_serial: int = 0
 
 
 class EngineEndpoint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -254,6 +258,12 @@ class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # last report of a dead incarnation (which the coordinator may still hold) from the
     # reports of the engine it is attached to.
     identity: bytes = b""
+    # The clients attached when `stats` was measured, and how many attaches (in the order of
+    # their `EngineFacts.attach_serial`) the engine had processed by then. A client whose
+    # serial is covered but whose index is missing has been detached: the engine took it for
+    # gone (it was paused or cut off too long) and dropped its requests.
+    attached_clients: list[int] = msgspec.field(default_factory=list)
+    attaches_seen: int = 0
 
 
 class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

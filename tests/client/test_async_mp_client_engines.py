@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from client.core_client import AsyncMPClient
+from client.dp_client import DPLBAsyncMPClient
 from engine.errors import EngineDeadError
-from engine.protocol import EngineFacts
+from engine.protocol import DPStatsSnapshot, EngineFacts, EngineStatsReport, SchedulerStats
 from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, running_engine, tiny_config
 
@@ -120,3 +121,43 @@ async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
     finally:
         client.shutdown()
         first.stop()
+
+
+async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_its_engine(
+    engine_checkpoint: str,
+) -> None:
+    with running_engine(tiny_config(engine_checkpoint), engine_index=0) as served:
+        client = DPLBAsyncMPClient([served.endpoint], client_index=7)
+        try:
+            client.resources.engines_can_return = True
+            serial = client.engine_facts[0].attach_serial
+            assert serial >= 1
+
+            def report(attaches_seen: int, attached: list[int]) -> DPStatsSnapshot:
+                stats = SchedulerStats(num_running_reqs=1)
+                return DPStatsSnapshot(
+                    seq=attaches_seen,
+                    reports=[
+                        EngineStatsReport(
+                            0,
+                            stats,
+                            identity=served.endpoint.identity,
+                            attached_clients=attached,
+                            attaches_seen=attaches_seen,
+                        )
+                    ],
+                )
+
+            # Measured before this client attached, or listing it: nothing is wrong.
+            client._on_stats_snapshot(report(serial - 1, []))
+            client._on_stats_snapshot(report(serial, [7]))
+            await asyncio.sleep(0.3)
+            assert client.lb_engines == [0] and not client.resources.dead_engines
+            # Measured after its attach and without it: the engine let it go.
+            client._on_stats_snapshot(report(serial + 1, [3]))
+            with pytest.raises(EngineDeadError) as info:
+                await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
+            assert info.value.engine_index == 0
+            assert client.lb_engines == [] and client.resources.dead_engines == {0}
+        finally:
+            client.shutdown()

@@ -6,6 +6,7 @@ import itertools
 import os
 import queue
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -378,6 +379,43 @@ def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idl
         assert max(gaps) <= 1.3
         idle_gaps = gaps[-2:]
         assert all(g >= 0.9 for g in idle_gaps), gaps  # heartbeats only once idle
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_stats_say_which_clients_are_attached_as_of_which_attach(engine_checkpoint: str) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    decoder = msgspec.msgpack.Decoder(EngineStatsReport)
+
+    def next_report_with(predicate: Any) -> EngineStatsReport:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if pull.poll(200) and predicate(report := decoder.decode(pull.recv())):
+                return report
+        raise AssertionError("no such report")
+
+    try:
+        config = tiny_config(engine_checkpoint)
+        with running_engine(config, stats_address=f"tcp://127.0.0.1:{port}") as served:
+            first, second = RawPeer(served.endpoint, 0), RawPeer(served.endpoint, 1)
+            serials = []
+            for peer in (first, second):
+                utility = peer.hello().utility_output
+                assert utility is not None and utility.result is not None
+                facts = utility.result.result
+                assert isinstance(facts, EngineFacts)
+                serials.append(facts.attach_serial)
+            assert serials == [1, 2]
+            report = next_report_with(lambda r: r.attaches_seen == 2)
+            assert report.attached_clients == [0, 1]
+            # A client the engine lets go is missing from every later report.
+            second.send(EngineCoreRequestType.GOODBYE.value)
+            report = next_report_with(lambda r: r.attached_clients == [0])
+            assert report.attaches_seen == 2
+            first.close()
+            second.close()
     finally:
         ctx.destroy(linger=0)
 
