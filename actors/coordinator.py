@@ -31,7 +31,8 @@ import msgspec
 import ray
 import zmq
 
-from actors.registry import REGISTRY_NAME, Membership
+from actors.membership import Membership
+from actors.registry import REGISTRY_NAME
 from engine.protocol import DPStatsSnapshot, EngineStatsReport
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from typing import Any
 
 import ray
 
-from actors.registry import REGISTRY_NAME, Membership
+from actors.membership import Membership
+from actors.registry import REGISTRY_NAME
 from engine.config import EngineConfig
 from engine.core_proc import EngineCoreProc
 from engine.protocol import EngineEndpoint

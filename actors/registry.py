@@ -16,7 +16,6 @@ change, and each registered engine is watched again.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from actors.engine_liveness import (
     restart_engine,
     watch_engine,
 )
+from actors.membership import ClientInfo, Membership, RankInfo, RankState
 from engine.config import EngineConfig
 from engine.protocol import EngineEndpoint
 
@@ -45,64 +45,6 @@ STATE_KEY = "shoal-registry-state"
 
 # A client that has not long-polled or heartbeated for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
-
-
-class RankState(enum.StrEnum):
-    """Life of one rank. STARTING → READY → (DEAD → READY)* → LEAVING → removed."""
-
-    STARTING = "starting"  # actor created, engine not yet bound
-    READY = "ready"  # endpoint registered, serving
-    DEAD = "dead"  # actor died; Ray may restart it, then it registers again
-    LEAVING = "leaving"  # elastic scale-down: clients stop routing to it
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """One rank as the registry sees it.
-
-    `incarnation` counts registrations: it bumps every time the rank's actor (re)starts and
-    registers, so a client can tell a restarted rank from the one it knew.
-    """
-
-    rank: int
-    state: RankState
-    actor_name: str
-    placement_group_name: str
-    incarnation: int = 0
-    endpoint: EngineEndpoint | None = None
-    node_ip: str = ""
-    changed_at: float = 0.0
-
-    @property
-    def is_routable(self) -> bool:
-        return self.state == RankState.READY and self.endpoint is not None
-
-
-@dataclass(frozen=True)
-class ClientInfo:
-    """An attached client (driver script, HTTP server) and when it was last heard from."""
-
-    client_index: int
-    name: str
-    attached_at: float
-    last_seen: float
-
-
-@dataclass(frozen=True)
-class Membership:
-    """A consistent view of the cluster at one epoch (every change bumps the epoch)."""
-
-    epoch: int
-    ranks: dict[int, RankInfo]
-    config: EngineConfig
-    stats_publish_address: str | None = None  # coordinator XPUB that clients subscribe to
-    stats_report_address: str | None = None  # coordinator PULL that engines push to
-    stopping: bool = False
-
-    def routable_endpoints(self) -> list[EngineEndpoint]:
-        """Endpoints of the READY ranks, by rank."""
-        ranks = sorted(self.ranks.values(), key=lambda r: r.rank)
-        return [r.endpoint for r in ranks if r.is_routable and r.endpoint is not None]
 
 
 @dataclass
@@ -250,20 +192,27 @@ class RegistryActor:
         )
 
     async def wait_for_change(
-        self, known_epoch: int, timeout_s: float = 10.0, client_index: int | None = None
+        self,
+        known_epoch: int,
+        timeout_s: float = 10.0,
+        client_index: int | None = None,
+        client_name: str | None = None,
     ) -> Membership:
         """Long-poll: returns as soon as the epoch differs from `known_epoch`, or at the timeout.
 
         Args:
             known_epoch: the epoch the caller already has.
             timeout_s: the longest the call waits.
-            client_index: the caller's index; the call then doubles as its heartbeat.
+            client_index: the caller's index; the call then doubles as its heartbeat. A client
+                pruned while it was silent (paused, say) is listed again, as `client_name`:
+                its index was never given to anyone else.
+            client_name: how to list the caller if it has to be listed again.
 
         Returns:
             The membership at return time (its epoch equals `known_epoch` on timeout).
         """
-        if client_index is not None:
-            self._touch_client(client_index)
+        if client_index is not None and not self._touch_client(client_index):
+            self._relist_client(client_index, client_name)
         deadline = time.monotonic() + timeout_s
         while self._state.epoch == known_epoch:
             remaining = deadline - time.monotonic()
@@ -434,6 +383,15 @@ class RegistryActor:
             return False
         self._state.clients[client_index] = replace(info, last_seen=time.time())
         return True
+
+    def _relist_client(self, client_index: int, name: str | None) -> None:
+        if not 0 <= client_index < self._state.next_client_index:
+            return  # never handed out here
+        name = name or f"client {client_index}"
+        logger.info("client %d (%s) was pruned but polls again; listed again", client_index, name)
+        now = time.time()
+        self._state.clients[client_index] = ClientInfo(client_index, name, now, now)
+        self._save()
 
     def _prune_clients(self) -> bool:
         """Drops clients silent past the timeout; True if any went (the caller saves)."""

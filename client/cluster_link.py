@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Collection
 import ray
 from ray.actor import ActorHandle
 
-from actors.registry import Membership
+from actors.membership import Membership
 from client.dp_client import DPLBAsyncMPClient
 from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
@@ -45,11 +45,13 @@ class ClusterLink:
         client: DPLBAsyncMPClient,
         membership: Membership,
         client_index: int,
+        name: str,
     ) -> None:
         self.registry = registry
         self.client = client
         self.membership = membership
         self.client_index = client_index
+        self.name = name
         self._reported_dead: set[bytes] = set()
         self._attaching: dict[int, asyncio.Task[None]] = {}
         self._task = asyncio.create_task(self._watch(), name="ClusterMembershipWatch")
@@ -92,7 +94,7 @@ class ClusterLink:
             raise
         # Ranks that die come back (Ray restarts them) and are attached again by the watch.
         client.resources.engines_can_return = True
-        link = cls(handle.registry, client, membership, client_index)
+        link = cls(handle.registry, client, membership, client_index, client_name)
         # Every rank that answers is attached before the driver sends anything; one that does
         # not is reported (the registry restarts it if it hangs) and attached when it is back.
         await asyncio.gather(*await link._reconcile(membership))
@@ -111,7 +113,7 @@ class ClusterLink:
         while True:
             try:
                 membership: Membership = await self.registry.wait_for_change.remote(
-                    epoch, WATCH_POLL_S, self.client_index
+                    epoch, WATCH_POLL_S, self.client_index, self.name
                 )
             except ray.exceptions.RayActorError:
                 if await asyncio.to_thread(registry_answers_again, self.registry):

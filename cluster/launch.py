@@ -34,7 +34,8 @@ from actors.engine_actor import (
     EngineCoreActor,
     engine_actor_name,
 )
-from actors.registry import REGISTRY_NAME, STATE_KEY, Membership, RegistryActor
+from actors.membership import Membership
+from actors.registry import REGISTRY_NAME, STATE_KEY, RegistryActor
 from cluster.placement import (
     PlacementStrategy,
     RankResources,

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from actors.engine_liveness import ENGINE_WATCH_METHOD
-from actors.registry import RankState, RegistryActor
+from actors.membership import RankState
+from actors.registry import RegistryActor
 from engine.config import EngineConfig
 from engine.protocol import EngineEndpoint
 from tests.ray_utils import unique_namespace
@@ -130,6 +131,12 @@ def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: An
     assert ray.get(registry.attach_client.remote("c4")) == 4
     status = ray.get(registry.status.remote())
     assert [c["client_index"] for c in status["clients"]] == [2, 4]
+    # A pruned client that polls again (it was paused, not gone) is listed again; an index
+    # never handed out is not.
+    ray.get(registry.wait_for_change.remote(-1, 0.0, 0, "c0 again"))
+    ray.get(registry.wait_for_change.remote(-1, 0.0, 99, "stranger"))
+    names = [(c.client_index, c.name) for c in ray.get(registry.clients.remote())]
+    assert names == [(0, "c0 again"), (2, "c2"), (4, "c4")]
 
 
 def test_scale_lock_has_one_owner_at_a_time(registry: Any) -> None:

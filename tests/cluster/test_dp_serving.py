@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import ray
 
-from actors.registry import RankState
+from actors.membership import RankState
 from client import AsyncLLM, SamplingParams
 from client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
 from client.dp_client import DPLBAsyncMPClient

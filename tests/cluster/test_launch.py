@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from actors.registry import Membership, RankState
+from actors.membership import Membership, RankState
 from client.core_client import SyncMPClient
 from cluster.launch import (
     ClusterExistsError,

@@ -1,0 +1,71 @@
+"""The cluster's membership as the registry hands it out: ranks, their state, clients.
+
+Plain frozen dataclasses, so drivers, engines and the CLI can read a `Membership` without
+knowing anything of the actor that keeps it (`actors/registry.py`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.protocol import EngineEndpoint
+
+
+class RankState(enum.StrEnum):
+    """Life of one rank. STARTING → READY → (DEAD → READY)* → LEAVING → removed."""
+
+    STARTING = "starting"  # actor created, engine not yet bound
+    READY = "ready"  # endpoint registered, serving
+    DEAD = "dead"  # actor died; Ray may restart it, then it registers again
+    LEAVING = "leaving"  # elastic scale-down: clients stop routing to it
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank as the registry sees it.
+
+    `incarnation` counts registrations: it bumps every time the rank's actor (re)starts and
+    registers, so a client can tell a restarted rank from the one it knew.
+    """
+
+    rank: int
+    state: RankState
+    actor_name: str
+    placement_group_name: str
+    incarnation: int = 0
+    endpoint: EngineEndpoint | None = None
+    node_ip: str = ""
+    changed_at: float = 0.0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.state == RankState.READY and self.endpoint is not None
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """An attached client (driver script, HTTP server) and when it was last heard from."""
+
+    client_index: int
+    name: str
+    attached_at: float
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A consistent view of the cluster at one epoch (every change bumps the epoch)."""
+
+    epoch: int
+    ranks: dict[int, RankInfo]
+    config: EngineConfig
+    stats_publish_address: str | None = None  # coordinator XPUB that clients subscribe to
+    stats_report_address: str | None = None  # coordinator PULL that engines push to
+    stopping: bool = False
+
+    def routable_endpoints(self) -> list[EngineEndpoint]:
+        """Endpoints of the READY ranks, by rank."""
+        ranks = sorted(self.ranks.values(), key=lambda r: r.rank)
+        return [r.endpoint for r in ranks if r.is_routable and r.endpoint is not None]
