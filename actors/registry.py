@@ -129,7 +129,7 @@ class RegistryActor:
         self._watch(rank, info.actor_name, endpoint.identity)
         return incarnation
 
-    async def report_engine_dead(self, rank: int, identity: bytes) -> bool:
+    async def report_engine_lost(self, rank: int, identity: bytes) -> bool:
         """A client lost its connection to the incarnation `identity` of `rank`.
 
         One client's word does not take a rank away from every client: the fault may be that
@@ -137,11 +137,13 @@ class RegistryActor:
         that answers as `identity` stays READY. One that does not answer in time is hung (a
         stopped process, a stuck kernel): it is marked DEAD and killed, and Ray starts it again
         under a new identity. One whose actor is gone is marked DEAD. Reports about an older
-        incarnation change nothing; concurrent reports about one incarnation share one probe.
+        incarnation, or a rank already DEAD, change nothing; concurrent reports about one
+        incarnation share one probe.
 
         Returns:
-            Whether the rank is now DEAD because of this report (False: the client should
-            attach to whatever the membership lists).
+            True if the registry keeps that incarnation serving (it answered): the client
+            should say HELLO to it again. False: it is gone; the membership says what replaces
+            it.
         """
         if not self._is_current(rank, identity):
             return False
@@ -427,7 +429,7 @@ class RegistryActor:
         liveness = await probe_engine(actor, identity, self.engine_probe_timeout_s)
         if liveness == Liveness.ALIVE:
             logger.info("rank %d was reported lost by a client but answers; kept", rank)
-            return False
+            return True
         if liveness == Liveness.HUNG:
             logger.warning(
                 "rank %d was reported lost and did not answer a health probe in %.0f s; "
@@ -436,18 +438,17 @@ class RegistryActor:
                 self.engine_probe_timeout_s,
             )
             restart_engine(actor)
-        return self._mark_dead(rank, identity)
+        self._mark_dead(rank, identity)
+        return False
 
-    def _mark_dead(self, rank: int, identity: bytes) -> bool:
+    def _mark_dead(self, rank: int, identity: bytes) -> None:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""
         info = self._state.ranks.get(rank)
-        if not self._is_current(rank, identity) or info is None:
-            return False
-        if info.state not in (RankState.READY, RankState.LEAVING):
-            return False
-        self._set_rank(replace(info, state=RankState.DEAD))
-        self._bump()
-        return True
+        if info is None or not self._is_current(rank, identity):
+            return
+        if info.state in (RankState.READY, RankState.LEAVING):
+            self._set_rank(replace(info, state=RankState.DEAD))
+            self._bump()
 
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)

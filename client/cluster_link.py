@@ -166,7 +166,7 @@ class ClusterLink:
         except TimeoutError:
             logger.warning("rank %d did not answer HELLO; reporting it to the registry", rank)
             with contextlib.suppress(ray.exceptions.RayActorError):
-                await self.registry.report_engine_dead.remote(rank, endpoint.identity)
+                await self.registry.report_engine_lost.remote(rank, endpoint.identity)
         except (EngineAttachError, EngineDeadError) as e:
             logger.warning("could not attach rank %d: %s", rank, e)
         finally:
@@ -190,11 +190,11 @@ class ClusterLink:
             reported = True
             self._reported_dead.add(endpoint.identity)
             try:
-                dead = await self.registry.report_engine_dead.remote(rank, endpoint.identity)
+                is_kept = await self.registry.report_engine_lost.remote(rank, endpoint.identity)
             except ray.exceptions.RayActorError:  # the registry is restarting: next turn
                 self._reported_dead.discard(endpoint.identity)
                 break
-            if not dead:
+            if is_kept:
                 logger.warning("rank %d is lost to this client only; attaching again", rank)
                 self._reported_dead.discard(endpoint.identity)
                 kept.append(rank)

@@ -56,10 +56,14 @@ def test_plan_register_dead_leave_remove_bump_epochs(registry: Any) -> None:
     assert [e.identity for e in m.routable_endpoints()] == [b"0:a", b"1:a"]
 
     # A report about an identity the rank no longer has is ignored; the current one counts.
-    assert not ray.get(registry.report_engine_dead.remote(0, b"0:old"))
-    assert ray.get(registry.report_engine_dead.remote(0, b"0:a"))
-    assert not ray.get(registry.report_engine_dead.remote(0, b"0:a"))  # already dead
+    epoch = ray.get(registry.membership.remote()).epoch
+    assert not ray.get(registry.report_engine_lost.remote(0, b"0:old"))
+    assert ray.get(registry.membership.remote()).epoch == epoch
+    # (No actor answers for "0:a": it counts as gone.)
+    assert not ray.get(registry.report_engine_lost.remote(0, b"0:a"))
+    assert not ray.get(registry.report_engine_lost.remote(0, b"0:a"))  # already dead
     m = ray.get(registry.membership.remote())
+    assert m.epoch == epoch + 1
     assert m.ranks[0].state == RankState.DEAD
     assert [e.identity for e in m.routable_endpoints()] == [b"1:a"]
 
@@ -231,15 +235,15 @@ def test_a_reported_engine_is_probed_kept_if_it_answers_and_restarted_if_it_hang
     epoch = ray.get(registry.membership.remote()).epoch
 
     # A client lost rank 0, but the engine answers: the client's connection was at fault.
-    assert not ray.get(registry.report_engine_dead.remote(0, b"id"))
+    assert ray.get(registry.report_engine_lost.remote(0, b"id"))
     membership = ray.get(registry.membership.remote())
     assert membership.ranks[0].state == RankState.READY and membership.epoch == epoch
 
     # Rank 1 hangs. Two clients report it at once; one probe decides for both.
     ray.get(actors[1].hang.remote())
     started = time.monotonic()
-    reports = [registry.report_engine_dead.remote(1, b"id") for _ in range(2)]
-    assert ray.get(reports) == [True, True]
+    reports = [registry.report_engine_lost.remote(1, b"id") for _ in range(2)]
+    assert ray.get(reports) == [False, False]
     assert 0.5 <= time.monotonic() - started < 10  # the probe's deadline, not forever
     membership = ray.get(registry.membership.remote())
     assert membership.ranks[1].state == RankState.DEAD and membership.epoch == epoch + 1
