@@ -114,6 +114,10 @@ class EngineCoreActor:
             "pid": os.getpid(),
         }
 
+    def set_stats_address(self, address: str) -> None:
+        """Pushes stats reports to `address` from now on (the coordinator moved)."""
+        self.proc.set_stats_address(address)
+
     def wait_for_exit(self) -> None:
         """Blocks until the busy loop ends on purpose (`shutdown`).
 

@@ -89,6 +89,7 @@ class RegistryActor:
         self._changed = asyncio.Event()
         self._watchers: dict[int, asyncio.Task[None]] = {}
         self._probes: dict[bytes, asyncio.Task[bool]] = {}
+        self._background: set[asyncio.Task[None]] = set()
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore()
         self._save()
@@ -176,9 +177,20 @@ class RegistryActor:
         return self._bump()
 
     async def set_coordinator(self, report_address: str, publish_address: str) -> int:
-        """Records the coordinator's addresses. Returns the new epoch."""
+        """Records the coordinator's addresses. Returns the new epoch.
+
+        A coordinator that restarted on new addresses is followed: every planned rank's engine
+        is told where to push its reports (a rank still starting hears it once its constructor
+        is done; one that starts later reads the membership), and clients see the new publish
+        address in the membership.
+        """
+        previous = self._state.stats_report_address
         self._state.stats_report_address = report_address
         self._state.stats_publish_address = publish_address
+        if previous is not None and previous != report_address:
+            task = asyncio.get_running_loop().create_task(self._redirect_stats(report_address))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return self._bump()
 
     async def membership(self) -> Membership:
@@ -440,6 +452,16 @@ class RegistryActor:
             restart_engine(actor)
         self._mark_dead(rank, identity)
         return False
+
+    async def _redirect_stats(self, report_address: str) -> None:
+        calls = []
+        for info in self._state.ranks.values():
+            actor = find_actor(info.actor_name, self.namespace)
+            if actor is not None:
+                calls.append(actor.set_stats_address.remote(report_address))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception):  # a dead rank reads the membership on restart
+                logger.info("an engine was not told the new stats address: %s", result)
 
     def _mark_dead(self, rank: int, identity: bytes) -> None:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""

@@ -124,6 +124,10 @@ class ClusterLink:
             if reported:  # the registry's probes took time: read the membership again
                 membership = await self.registry.membership.remote()
             epoch, self.membership = membership.epoch, membership
+            publish_address = membership.stats_publish_address
+            if publish_address is not None and publish_address != self.client.stats_address:
+                logger.info("the coordinator moved; subscribing at %s", publish_address)
+                self.client.set_stats_address(publish_address)
             await self._reconcile(membership, reattach=kept)
 
     async def _reconcile(

@@ -100,6 +100,19 @@ class DPAsyncMPClient(AsyncMPClient):
             run_stats_updates(), name="DPStatsUpdateTask"
         )
 
+    def set_stats_address(self, address: str) -> None:
+        """Subscribes at `address` from now on (the coordinator moved)."""
+        socket = self.resources.stats_socket
+        if socket is not None and self.stats_address is not None:
+            socket.disconnect(self.stats_address)
+            socket.connect(address)
+        self.stats_address = address
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # subscribed lazily, with the output task
+        self._ensure_stats_update_task()
+
     def _ensure_output_queue_task(self) -> None:
         super()._ensure_output_queue_task()
         self._ensure_stats_update_task()

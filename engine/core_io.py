@@ -54,12 +54,13 @@ class Op:
     ADD = 0  # (ADD, EngineCoreRequest)
     ABORT = 1  # (ABORT, request_ids, client_index)
     UTILITY = 2  # (UTILITY, client_index, call_id, method, args)
-    ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply)
+    ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply, attach_serial)
     DETACH = 4  # (DETACH, client_index, monitor): the monitor is the output thread's to close
     SEND = 5  # (SEND, client_index, EngineCoreOutputs)
     STATS = 6  # (STATS, EngineStatsReport)
     DEAD = 7  # (DEAD,): tell every attached client the engine is gone, then stop
     WAKE = 8  # (WAKE,): no work, only wakes the busy loop
+    STATS_TO = 9  # (STATS_TO, address): push stats reports there from now on
 
 
 def close_monitored(

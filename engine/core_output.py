@@ -21,6 +21,25 @@ from engine.serial import MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
+# Stats reports queued for a slow coordinator before new ones are dropped.
+STATS_SNDHWM = 64
+
+
+def make_stats_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """The PUSH an engine sends its stats reports on, connected to the coordinator.
+
+    Reports are best effort and the latest wins: with no live coordinator (dead, restarting,
+    paused) they are dropped — IMMEDIATE queues nothing for a connection not up, and the send
+    does not block — never queued until a send blocks the output thread, and with it the
+    outputs of every client.
+    """
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IMMEDIATE, 1)
+    socket.setsockopt(zmq.SNDHWM, STATS_SNDHWM)
+    socket.connect(address)
+    return socket
+
 
 class OutputThread(threading.Thread):
     """Encodes and pushes outputs to the client that owns them; sends stats reports.
@@ -33,8 +52,10 @@ class OutputThread(threading.Thread):
 
     Args:
         engine_index: stamped on the death notice.
-        work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`, `DEAD`).
+        work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`,
+            `STATS_TO`, `DEAD`).
         stats_socket: a connected PUSH for stats reports, owned by this thread from now on.
+        stats_address: where `stats_socket` is connected.
     """
 
     def __init__(
@@ -42,11 +63,14 @@ class OutputThread(threading.Thread):
         engine_index: int,
         work_queue: queue.SimpleQueue[tuple[Any, ...]],
         stats_socket: zmq.Socket | None,
+        stats_address: str | None = None,
     ) -> None:
         super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
         self._engine_index = engine_index
         self._work_queue = work_queue
         self._stats_socket = stats_socket
+        self._stats_address = stats_address
+        self._num_stats_dropped = 0
         self._encoder = MsgpackEncoder()
         self._pushes: dict[int, zmq.Socket] = {}
         # (tracker, frames) of zero-copy sends: the frames must outlive ZMQ's use of them.
@@ -107,6 +131,8 @@ class OutputThread(threading.Thread):
             close_monitored(self._pushes.pop(item[1], None), item[2])
         elif op == Op.STATS:
             self._send_stats(item[1])
+        elif op == Op.STATS_TO:
+            self._move_stats(item[1])
         elif op == Op.DEAD:
             notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
             for push in self._pushes.values():
@@ -138,5 +164,31 @@ class OutputThread(threading.Thread):
             self._pending.popleft()
 
     def _send_stats(self, report: EngineStatsReport) -> None:
-        if self._stats_socket is not None:
-            self._stats_socket.send(self._encoder.encode(report)[0])
+        if self._stats_socket is None:
+            return
+        try:
+            self._stats_socket.send(self._encoder.encode(report)[0], zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._num_stats_dropped:
+                logger.warning(
+                    "engine %d: the coordinator does not take stats reports; dropping them",
+                    self._engine_index,
+                )
+            self._num_stats_dropped += 1
+            return
+        if self._num_stats_dropped:
+            logger.info(
+                "engine %d: stats reports flow again (%d dropped)",
+                self._engine_index,
+                self._num_stats_dropped,
+            )
+            self._num_stats_dropped = 0
+
+    def _move_stats(self, address: str) -> None:
+        if self._stats_socket is None or address == self._stats_address:
+            return
+        if self._stats_address is not None:
+            self._stats_socket.disconnect(self._stats_address)
+        self._stats_socket.connect(address)
+        logger.info("engine %d: stats reports now go to %s", self._engine_index, address)
+        self._stats_address = address

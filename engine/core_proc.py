@@ -28,7 +28,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_io import InputThread, Op
-from engine.core_output import OutputThread
+from engine.core_output import OutputThread, make_stats_socket
 from engine.engine_core import EngineCore
 from engine.protocol import (
     EngineCoreOutputs,
@@ -108,13 +108,13 @@ class EngineCoreProc:
         self._input_address = self._bind(router, host, transport)
         stats_socket = None
         if stats_address is not None:
-            stats_socket = self._ctx.socket(zmq.PUSH)
-            stats_socket.setsockopt(zmq.LINGER, 0)
-            stats_socket.connect(stats_address)
+            stats_socket = make_stats_socket(self._ctx, stats_address)
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
         self._input_thread = InputThread(self._ctx, router, facts, methods, self._input_queue)
-        self._output_thread = OutputThread(engine_index, queue.SimpleQueue(), stats_socket)
+        self._output_thread = OutputThread(
+            engine_index, queue.SimpleQueue(), stats_socket, stats_address
+        )
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None
         self._last_stats_time = 0.0  # when the last report was sent
@@ -225,7 +225,7 @@ class EngineCoreProc:
             self._attached_clients.add(item[1])
             self._attaches_seen = item[4]
             self._output_thread.submit(item)
-        elif op == Op.SEND:
+        elif op in (Op.SEND, Op.STATS_TO):
             self._output_thread.submit(item)
         elif op == Op.DEAD:
             raise RuntimeError("an engine IO thread failed")
@@ -271,6 +271,14 @@ class EngineCoreProc:
             attaches_seen=self._attaches_seen,
         )
         self._output_thread.submit((Op.STATS, report))
+
+    def set_stats_address(self, address: str) -> None:
+        """Pushes stats reports to `address` from now on (the coordinator moved); thread-safe.
+
+        Ignored by an engine started without a stats address.
+        """
+        if self._is_stats_enabled:
+            self._input_queue.put((Op.STATS_TO, address))
 
     # --- shutdown ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -147,6 +148,26 @@ async def test_two_drivers_only_see_their_own_outputs(
 async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
+    before, after = await _restart_coordinator(llm, cluster, block_old_ports=False)
+    assert after == before
+
+
+async def test_a_coordinator_restarted_elsewhere_is_followed_by_engines_and_drivers(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    before, after = await _restart_coordinator(llm, cluster, block_old_ports=True)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
+async def _restart_coordinator(
+    llm: AsyncLLM, cluster: ClusterHandle, *, block_old_ports: bool
+) -> tuple[tuple[str | None, str | None], tuple[str, str]]:
+    """Kills the coordinator and waits until this driver gets snapshots of both ranks from
+    the new incarnation; a late driver is then served. Returns (old, new) addresses.
+
+    With `block_old_ports`, something else takes the old ports first, so the new incarnation
+    binds new ones: engines must push to, and this driver subscribe at, the new addresses.
+    """
     client = _client(llm)
     snapshots: list[DPStatsSnapshot] = []
     on_snapshot = client._on_stats_snapshot
@@ -156,32 +177,58 @@ async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
         on_snapshot(snapshot)
 
     client._on_stats_snapshot = record  # type: ignore[method-assign]
-    deadline = time.monotonic() + 30
-    while not snapshots:  # one from the running coordinator first
-        await asyncio.sleep(0.05)
-    before = await cluster.registry.membership.remote()
-    ray.kill(cluster.coordinator, no_restart=False)
-
-    def restarted() -> list[DPStatsSnapshot]:
-        """Snapshots from the first one whose seq went back (a new incarnation counts anew)."""
-        for i in range(1, len(snapshots)):
-            if snapshots[i].seq < snapshots[i - 1].seq:
-                return snapshots[i:]
-        return []
-
-    while not any({r.engine_index for r in s.reports} == {0, 1} for s in restarted()):
-        assert time.monotonic() < deadline, ("no snapshot from the restarted coordinator", before)
-        await asyncio.sleep(0.1)
-    addresses = await cluster.coordinator.addresses.remote()
-    assert addresses == (before.stats_report_address, before.stats_publish_address)
-    after = await cluster.registry.membership.remote()
-    assert (after.stats_report_address, after.stats_publish_address) == addresses
-    late = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="late driver")
     try:
-        output = await _final(late, "after the restart", _params(3))
-        assert len(output.outputs[0].token_ids) == 3
+        deadline = time.monotonic() + 30
+        while not snapshots:  # one from the running coordinator first
+            await asyncio.sleep(0.05)
+        before = await cluster.registry.membership.remote()
+        old = (before.stats_report_address, before.stats_publish_address)
+        ray.kill(cluster.coordinator, no_restart=False)
+        with contextlib.ExitStack() as blockers:
+            if block_old_ports:
+                for address in old:
+                    assert address is not None
+                    blockers.enter_context(await _listen_when_free(address))
+
+            def restarted() -> list[DPStatsSnapshot]:
+                """Snapshots from the first whose seq went back (a new incarnation counts anew)."""
+                for i in range(1, len(snapshots)):
+                    if snapshots[i].seq < snapshots[i - 1].seq:
+                        return snapshots[i:]
+                return []
+
+            while not any({r.engine_index for r in s.reports} == {0, 1} for s in restarted()):
+                assert time.monotonic() < deadline, ("no snapshot from the new coordinator", old)
+                await asyncio.sleep(0.1)
+            addresses = await cluster.coordinator.addresses.remote()
+            after = await cluster.registry.membership.remote()
+            assert (after.stats_report_address, after.stats_publish_address) == addresses
+        late = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="late driver")
+        try:
+            output = await _final(late, "after the restart", _params(3))
+            assert len(output.outputs[0].token_ids) == 3
+        finally:
+            await late.shutdown()
+        return old, addresses
     finally:
-        await late.shutdown()
+        client._on_stats_snapshot = on_snapshot  # type: ignore[method-assign]
+
+
+async def _listen_when_free(address: str) -> socket.socket:
+    """A listening socket on `address`'s port, once its dead owner has let go of it."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    deadline = time.monotonic() + 10
+    while True:
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            blocker.bind((host, int(port)))
+            blocker.listen()
+            return blocker
+        except OSError:
+            blocker.close()
+            assert time.monotonic() < deadline, f"{address} stays taken"
+            await asyncio.sleep(0.01)
 
 
 async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(

@@ -1,18 +1,23 @@
-"""The output thread lends its sockets to the busy loop while idle, never reordering a send."""
+"""The output thread: lends its sockets to the busy loop while idle, never reordering a send;
+stats reports never hold up outputs."""
 
 from __future__ import annotations
 
 import queue
+import socket
+import time
 
 import msgspec
 import zmq
 
 from engine.core_io import Op
-from engine.core_output import OutputThread
+from engine.core_output import STATS_SNDHWM, OutputThread, make_stats_socket
 from engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineStatsReport,
+    SchedulerStats,
     UtilityOutput,
     UtilityResult,
 )
@@ -52,5 +57,44 @@ def test_sends_never_overtake_submitted_work_and_go_inline_once_idle() -> None:
         assert pull.recv_multipart() == [ENGINE_CORE_DEAD, b"3"]
         thread.join(timeout=5)
         assert not thread.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_stats_for_an_absent_coordinator_are_dropped_not_queued_ahead_of_outputs() -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, 5000)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    with socket.socket() as probe:  # a port nobody listens on: a dead coordinator's
+        probe.bind(("127.0.0.1", 0))
+        coordinator_port = probe.getsockname()[1]
+    stats = make_stats_socket(ctx, f"tcp://127.0.0.1:{coordinator_port}")
+    thread = OutputThread(0, queue.SimpleQueue(), stats, f"tcp://127.0.0.1:{coordinator_port}")
+    thread.start()
+    try:
+        hello = EngineCoreOutputs(utility_output=UtilityOutput(1, result=UtilityResult(None)))
+        thread.submit((Op.ATTACH, 0, push, hello, 1))
+        report = EngineStatsReport(0, SchedulerStats())
+        for _ in range(STATS_SNDHWM * 4):  # would fill the queue and block the next send
+            thread.submit((Op.STATS, report))
+        thread.submit((Op.SEND, 0, EngineCoreOutputs(outputs=[EngineCoreOutput("after")])))
+        received = _received(pull, 2)
+        assert received[1].outputs[0].request_id == "after"
+
+        # The coordinator comes back on another address: reports follow it there.
+        reports = ctx.socket(zmq.PULL)
+        reports.setsockopt(zmq.RCVTIMEO, 5000)
+        new_port = reports.bind_to_random_port("tcp://127.0.0.1")
+        thread.submit((Op.STATS_TO, f"tcp://127.0.0.1:{new_port}"))
+        deadline = time.monotonic() + 5
+        while not reports.poll(100):  # the connection comes up in the background
+            assert time.monotonic() < deadline
+            thread.submit((Op.STATS, report))
+        assert msgspec.msgpack.decode(reports.recv(), type=EngineStatsReport).engine_index == 0
+        thread.submit((Op.DEAD,))
+        thread.join(timeout=5)
     finally:
         ctx.destroy(linger=0)
