@@ -273,16 +273,40 @@ async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(
     # The next test kills a rank: the restarted registry must be watching the engines again.
 
 
+async def _streams_on(llm: AsyncLLM, rank: int, count: int) -> list[asyncio.Task[RequestOutput]]:
+    """`count` long requests pinned to `rank`, once all of them are in flight."""
+    streams = [
+        asyncio.create_task(_final(llm, f"long {i}", _params(400), data_parallel_rank=rank))
+        for i in range(count)
+    ]
+    while len(_client(llm).policy.in_flight) < count:
+        await asyncio.sleep(0.01)
+    return streams
+
+
+async def _new_incarnation_attached(
+    cluster: ClusterHandle, rank: int, old_identity: bytes, drivers: list[AsyncLLM]
+) -> None:
+    """Waits until `rank` is READY under a new identity and every driver routes to it."""
+    deadline = time.monotonic() + 90
+    while True:
+        info = cluster.membership().ranks[rank]
+        if (
+            info.state == RankState.READY
+            and info.endpoint is not None
+            and info.endpoint.identity != old_identity
+            and all(rank in _client(d).lb_engines for d in drivers)
+        ):
+            return
+        assert time.monotonic() < deadline, (info, [_client(d).lb_engines for d in drivers])
+        await asyncio.sleep(0.2)
+
+
 async def test_killed_rank_fails_its_requests_and_comes_back(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
     victim, survivor = 0, 1
-    doomed = [
-        asyncio.create_task(_final(llm, f"doomed {i}", _params(400), data_parallel_rank=victim))
-        for i in range(3)
-    ]
-    while len(_client(llm).policy.in_flight) < 3:
-        await asyncio.sleep(0.01)
+    doomed = await _streams_on(llm, victim, 3)
     await asyncio.sleep(0.2)  # decoding on the victim
     old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
     ray.kill(cluster.engine(victim), no_restart=False)
@@ -296,19 +320,7 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
     assert alive.data_parallel_rank == survivor
 
     # Ray restarts the victim; it re-registers and this driver attaches it again.
-    deadline = time.monotonic() + 90
-    while True:
-        membership = cluster.membership()
-        info = membership.ranks[victim]
-        if (
-            info.state == RankState.READY
-            and info.endpoint is not None
-            and info.endpoint.identity != old_identity
-            and victim in _client(llm).lb_engines
-        ):
-            break
-        assert time.monotonic() < deadline, (info, _client(llm).lb_engines)
-        await asyncio.sleep(0.2)
+    await _new_incarnation_attached(cluster, victim, old_identity, [llm])
     back = await asyncio.wait_for(
         _final(llm, "welcome back", _params(4), data_parallel_rank=victim), 30
     )
@@ -331,12 +343,7 @@ async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_d
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
     victim, survivor = 1, 0
-    stuck = [
-        asyncio.create_task(_final(llm, f"stuck {i}", _params(400), data_parallel_rank=victim))
-        for i in range(2)
-    ]
-    while len(_client(llm).policy.in_flight) < 2:
-        await asyncio.sleep(0.01)
+    stuck = await _streams_on(llm, victim, 2)
     old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
     pid = ray.get(cluster.engine(victim).health.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)  # alive to Ray, deaf to everyone
@@ -357,18 +364,7 @@ async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_d
 
             # The registry probes the rank, finds it hung and has Ray start it again; both
             # drivers attach the new incarnation.
-            deadline = time.monotonic() + 90
-            while True:
-                info = cluster.membership().ranks[victim]
-                if (
-                    info.state == RankState.READY
-                    and info.endpoint is not None
-                    and info.endpoint.identity != old_identity
-                    and all(victim in _client(d).lb_engines for d in (llm, newcomer))
-                ):
-                    break
-                assert time.monotonic() < deadline, (info, _client(newcomer).lb_engines)
-                await asyncio.sleep(0.2)
+            await _new_incarnation_attached(cluster, victim, old_identity, [llm, newcomer])
             for driver in (llm, newcomer):
                 back = await asyncio.wait_for(
                     _final(driver, "back", _params(4), data_parallel_rank=victim), 30
