@@ -412,6 +412,9 @@ class AsyncMPClient(MPClient):
         self._ensure_output_queue_task()
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        # The facts of the attach that ended go: until the answer brings new ones, no stats
+        # report can say this client is not attached (`DPAsyncMPClient._is_detached_by`).
+        self.engine_facts.pop(engine_index, None)
         self.resources.dead_engines.discard(engine_index)
         return await self._hello_async(endpoint)
 

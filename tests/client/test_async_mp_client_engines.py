@@ -159,5 +159,16 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
                 await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
             assert info.value.engine_index == 0
             assert client.lb_engines == [] and client.resources.dead_engines == {0}
+
+            # Attaching again: a report from before the engine answers cannot undo it.
+            client._on_stats_snapshot(report(serial + 1, [3]))  # while counted dead: ignored
+            reattach = asyncio.ensure_future(client.reattach_engine_async(0))
+            await asyncio.sleep(0)  # the HELLO is on its way
+            client._on_stats_snapshot(report(serial + 1, [3]))
+            facts = await asyncio.wait_for(reattach, TIMEOUT_S)
+            await asyncio.sleep(0.3)
+            assert client.lb_engines == [0] and not client.resources.dead_engines
+            client._on_stats_snapshot(report(facts.attach_serial, [7]))
+            assert client.lb_engines == [0]
         finally:
             client.shutdown()
