@@ -383,6 +383,7 @@ class AsyncMPClient(MPClient):
             EngineDeadError, TimeoutError: it died or did not answer in time.
         """
         self._ensure_output_queue_task()
+        await asyncio.sleep(self._reconnect_wait_s(endpoint.identity))
         self._connect_engine(endpoint, process)
         return await self._hello_async(endpoint)
 

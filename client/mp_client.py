@@ -52,6 +52,10 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 
 # How long to wait for an engine's HELLO answer before asking again.
 HELLO_RESEND_S = 2.0
+# How long an engine's identity stays off limits to a new connection after its connection was
+# closed: libzmq aborts the process when a connection takes a routing id that a closing one
+# still holds (libzmq#1572), and closing takes milliseconds.
+SAME_IDENTITY_RECONNECT_S = 0.2
 
 _Client = TypeVar("_Client", bound="MPClient")
 
@@ -113,6 +117,8 @@ class MPClient:
         self.engines: dict[int, EngineEndpoint] = {}
         self.engine_facts: dict[int, EngineFacts] = {}
         self._engine_index_of: dict[EngineIdentity, int] = {}
+        # Identities whose connection this client closed lately, and when.
+        self._disconnected_at: dict[EngineIdentity, float] = {}
         self._hello_timeout_s = hello_timeout_s
         try:
             self.input_socket = self._make_input_socket()
@@ -229,6 +235,13 @@ class MPClient:
         if engine_index not in self.resources.dead_engines:
             send_goodbye(zmq.Socket.shadow(self.input_socket.underlying), endpoint.identity)
         self.input_socket.disconnect(endpoint.input_address)
+        now = time.monotonic()
+        self._disconnected_at = {
+            identity: at
+            for identity, at in self._disconnected_at.items()
+            if at > now - SAME_IDENTITY_RECONNECT_S
+        }
+        self._disconnected_at[endpoint.identity] = now
         self._engine_index_of.pop(endpoint.identity, None)
         self.resources.engine_identities.pop(engine_index, None)
         self.resources.dead_engines.discard(engine_index)
@@ -239,10 +252,16 @@ class MPClient:
         if process is not None:
             stop_engine_process(process)
 
+    def _reconnect_wait_s(self, identity: EngineIdentity) -> float:
+        """How long to wait before connecting to `identity` (see SAME_IDENTITY_RECONNECT_S)."""
+        at = self._disconnected_at.get(identity)
+        return 0.0 if at is None else max(0.0, at + SAME_IDENTITY_RECONNECT_S - time.monotonic())
+
     def _connect_engine(self, endpoint: EngineEndpoint, process: BaseProcess | None) -> None:
         index = endpoint.engine_index
         if index in self.engines:
             raise ValueError(f"engine {index} is already attached; remove it first")
+        time.sleep(self._reconnect_wait_s(endpoint.identity))  # async callers waited already
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.watch(index, endpoint.input_address, process)
         self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)

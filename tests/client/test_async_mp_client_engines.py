@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,8 @@ from engine.errors import EngineDeadError
 from engine.protocol import DPStatsSnapshot, EngineFacts, EngineStatsReport, SchedulerStats
 from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, running_engine, tiny_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_one_dead_engine_fails_alone_and_the_task_ends_when_all_are_dead(
@@ -172,3 +178,42 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
             assert client.lb_engines == [0]
         finally:
             client.shutdown()
+
+
+_REMOVE_AND_ADD_AGAIN = """
+import asyncio, sys
+from client.core_client import AsyncMPClient
+from engine.protocol import EngineEndpoint
+from tests.engine.core_proc_utils import request
+
+async def main(identity, address):
+    endpoint = EngineEndpoint(0, identity.encode(), address)
+    client = AsyncMPClient([endpoint])
+    for i in range(15):
+        for k in range(20):  # sends still queued when the connection closes
+            await client.add_request_async(request(f"r{i}-{k}", max_tokens=1))
+        client.remove_engine(0)
+        await client.add_engine_async(endpoint)
+    client.shutdown()
+    print("survived")
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_removed_and_added_again_at_once_does_not_abort_the_client(
+    engine_checkpoint: str, tmp_path: Path
+) -> None:
+    # libzmq aborts the process when a connection takes a routing id a closing one still holds
+    # (libzmq#1572): the client waits for the old connection to go first.
+    script = tmp_path / "remove_and_add_again.py"
+    script.write_text(_REMOVE_AND_ADD_AGAIN)
+    with running_engine(tiny_config(engine_checkpoint), engine_index=0) as served:
+        result = subprocess.run(
+            [sys.executable, str(script), served.endpoint.identity.decode(),
+             served.endpoint.input_address],
+            capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )  # fmt: skip
+    assert result.returncode == 0 and "survived" in result.stdout, result.stderr[-2000:]
