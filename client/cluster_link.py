@@ -54,6 +54,10 @@ class ClusterLink:
         self.name = name
         self._reported_dead: set[bytes] = set()
         self._attaching: dict[int, asyncio.Task[None]] = {}
+        # Set when the client loses a rank: the watch reports it without waiting for its poll.
+        self._engine_lost = asyncio.Event()
+        lost = self._engine_lost  # the client holds the event, not this link
+        client.on_engine_lost = lambda _rank: lost.set()
         self._task = asyncio.create_task(self._watch(), name="ClusterMembershipWatch")
 
     @classmethod
@@ -109,26 +113,51 @@ class ClusterLink:
             await self.registry.detach_client.remote(self.client_index)
 
     async def _watch(self) -> None:
+        """Each turn: a membership change, the poll's timeout, or a rank this client lost."""
         epoch = self.membership.epoch
-        while True:
-            try:
-                membership: Membership = await self.registry.wait_for_change.remote(
-                    epoch, WATCH_POLL_S, self.client_index, self.name
-                )
-            except ray.exceptions.RayActorError:
-                if await asyncio.to_thread(registry_answers_again, self.registry):
-                    continue  # Ray restarted it; it read its saved state back
-                logger.warning("the cluster registry is gone; no more membership updates")
-                return
-            reported, kept = await self._report_lost_engines()
-            if reported:  # the registry's probes took time: read the membership again
-                membership = await self.registry.membership.remote()
-            epoch, self.membership = membership.epoch, membership
-            publish_address = membership.stats_publish_address
-            if publish_address is not None and publish_address != self.client.stats_address:
-                logger.info("the coordinator moved; subscribing at %s", publish_address)
-                self.client.set_stats_address(publish_address)
-            await self._reconcile(membership, reattach=kept)
+        poll: asyncio.Future[Membership] | None = None
+        try:
+            while True:
+                if poll is None:
+                    poll = asyncio.ensure_future(
+                        self.registry.wait_for_change.remote(
+                            epoch, WATCH_POLL_S, self.client_index, self.name
+                        )
+                    )
+                lost = asyncio.ensure_future(self._engine_lost.wait())
+                await asyncio.wait((poll, lost), return_when=asyncio.FIRST_COMPLETED)
+                lost.cancel()
+                self._engine_lost.clear()
+                membership = self.membership
+                if poll.done():
+                    try:
+                        polled = poll.result()
+                        if polled.epoch >= membership.epoch:  # not older than a turn's reread
+                            membership = polled
+                    except ray.exceptions.RayActorError:
+                        if not await asyncio.to_thread(registry_answers_again, self.registry):
+                            logger.warning("the cluster registry is gone; no more updates")
+                            return
+                        continue  # Ray restarted it; it read its saved state back
+                    finally:
+                        poll = None
+                epoch = await self._turn(membership)
+        finally:
+            if poll is not None:
+                poll.cancel()
+
+    async def _turn(self, membership: Membership) -> int:
+        """Reports lost ranks, then follows `membership`. Returns the epoch it followed."""
+        reported, kept = await self._report_lost_engines()
+        if reported:  # the registry's probes took time: read the membership again
+            membership = await self.registry.membership.remote()
+        self.membership = membership
+        publish_address = membership.stats_publish_address
+        if publish_address is not None and publish_address != self.client.stats_address:
+            logger.info("the coordinator moved; subscribing at %s", publish_address)
+            self.client.set_stats_address(publish_address)
+        await self._reconcile(membership, reattach=kept)
+        return membership.epoch
 
     async def _reconcile(
         self, membership: Membership, reattach: Collection[int] = ()

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -59,6 +59,9 @@ class DPAsyncMPClient(AsyncMPClient):
         self.eep_scaling_cache: list[Sequence[Any]] = []
         # Ranks whose reports say they detached this client, until they count it again.
         self._detached_ranks: set[int] = set()
+        # Called with a rank's index when this client learns it lost that rank (a cluster
+        # link reports it at once).
+        self.on_engine_lost: Callable[[int], None] | None = None
         super().__init__(endpoints, **kwargs)
         # Ranks that may take new requests: attached and not known dead.
         self.lb_engines: list[int] = sorted(self.engines)
@@ -163,6 +166,8 @@ class DPAsyncMPClient(AsyncMPClient):
         except EngineDeadError as dead:
             if dead.engine_index is not None:
                 self._stop_routing_to(dead.engine_index)
+                if self.on_engine_lost is not None:
+                    self.on_engine_lost(dead.engine_index)
             raise
 
     async def add_engine_async(

@@ -54,8 +54,9 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 HELLO_RESEND_S = 2.0
 # How long an engine's identity stays off limits to a new connection after its connection was
 # closed: libzmq aborts the process when a connection takes a routing id that a closing one
-# still holds (libzmq#1572), and closing takes milliseconds.
-SAME_IDENTITY_RECONNECT_S = 0.2
+# still holds (libzmq#1572), and a closing connection lingers up to CLOSE_LINGER_MS while it
+# still has sends queued for a peer that does not take them.
+SAME_IDENTITY_RECONNECT_S = CLOSE_LINGER_MS / 1000 + 0.2
 
 _Client = TypeVar("_Client", bound="MPClient")
 

@@ -189,8 +189,8 @@ from tests.engine.core_proc_utils import request
 async def main(identity, address):
     endpoint = EngineEndpoint(0, identity.encode(), address)
     client = AsyncMPClient([endpoint])
-    for i in range(15):
-        for k in range(20):  # sends still queued when the connection closes
+    for i in range(12):
+        for k in range(50):  # sends still queued when the connection closes
             await client.add_request_async(request(f"r{i}-{k}", max_tokens=1))
         client.remove_engine(0)
         await client.add_engine_async(endpoint)
