@@ -15,8 +15,8 @@ Restarts: Ray restarts a coordinator that dies. The new one binds the addresses 
 predecessor published in the registry, so engines' PUSH and clients' SUB sockets reconnect
 on their own (ZMQ re-sends a SUB's subscription) and nobody has to be told; engines refill the
 latest reports within a heartbeat. If an address cannot be bound again (another node, a taken
-port), it binds new ones and records them in the registry: drivers that attach later use
-them, while attached clients route on their own accounting and direct engine stats.
+port), it binds new ones and records them in the registry, which tells every engine where to
+push; clients follow the publish address in the membership.
 """
 
 from __future__ import annotations

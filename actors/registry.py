@@ -146,9 +146,7 @@ class RegistryActor:
             should say HELLO to it again. False: it is gone; the membership says what replaces
             it.
         """
-        if not self._is_current(rank, identity):
-            return False
-        if self._state.ranks[rank].state not in (RankState.READY, RankState.LEAVING):
+        if not self._is_serving(rank, identity):
             return False
         probe = self._probes.get(identity)
         if probe is None:
@@ -465,12 +463,16 @@ class RegistryActor:
 
     def _mark_dead(self, rank: int, identity: bytes) -> None:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""
-        info = self._state.ranks.get(rank)
-        if info is None or not self._is_current(rank, identity):
-            return
-        if info.state in (RankState.READY, RankState.LEAVING):
-            self._set_rank(replace(info, state=RankState.DEAD))
+        if self._is_serving(rank, identity):
+            self._set_rank(replace(self._state.ranks[rank], state=RankState.DEAD))
             self._bump()
+
+    def _is_serving(self, rank: int, identity: bytes) -> bool:
+        """Whether `identity` is the rank's registered incarnation and the rank is not DEAD."""
+        return self._is_current(rank, identity) and self._state.ranks[rank].state in (
+            RankState.READY,
+            RankState.LEAVING,
+        )
 
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)

@@ -57,8 +57,6 @@ class DPAsyncMPClient(AsyncMPClient):
         self.stats_address = stats_address
         # Elastic-EP events seen on EEP_NOTIFICATION_CALL_ID, latest last.
         self.eep_scaling_cache: list[Sequence[Any]] = []
-        # Ranks whose reports say they detached this client, until they count it again.
-        self._detached_ranks: set[int] = set()
         # Called with a rank's index when this client learns it lost that rank (a cluster
         # link reports it at once).
         self.on_engine_lost: Callable[[int], None] | None = None
@@ -128,17 +126,14 @@ class DPAsyncMPClient(AsyncMPClient):
             if endpoint is None or report.identity != endpoint.identity:
                 continue  # a rank not attached here, or the last word of a dead incarnation
             if self._is_detached_by(report):
-                if rank not in self._detached_ranks:
-                    self._detached_ranks.add(rank)
+                assert self.resources.engine_monitor is not None
+                if self.resources.engine_monitor.declare_lost(rank):
                     logger.warning(
                         "engine %d no longer counts this client attached (it was unreachable "
                         "too long); its requests there are lost",
                         rank,
                     )
-                    assert self.resources.engine_monitor is not None
-                    self.resources.engine_monitor.declare_lost(rank)
                 continue
-            self._detached_ranks.discard(rank)
             seen = report.requests_seen.get(self.client_index, 0)
             self._on_rank_stats(rank, report.stats, seen)
 

@@ -55,12 +55,18 @@ class EngineMonitor(threading.Thread):
             self._reported.discard(engine_index)
             self._deadlines.pop(engine_index, None)
 
-    def declare_lost(self, engine_index: int) -> None:
+    def declare_lost(self, engine_index: int) -> bool:
         """Reports an engine dead on the monitor's next turn (the client learned it otherwise:
-        the engine no longer counts it attached); thread-safe, once per attach."""
+        the engine no longer counts it attached); thread-safe.
+
+        Returns:
+            False if that death is already reported or about to be (once per attach).
+        """
         with self._lock:
-            if engine_index not in self._reported:
-                self._deadlines[engine_index] = 0.0
+            if engine_index in self._reported or self._deadlines.get(engine_index) == 0.0:
+                return False
+            self._deadlines[engine_index] = 0.0
+            return True
 
     def forget(self, engine_index: int) -> None:
         """Stops watching an engine that is being removed on purpose; thread-safe."""

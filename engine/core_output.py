@@ -54,21 +54,23 @@ class OutputThread(threading.Thread):
         engine_index: stamped on the death notice.
         work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`,
             `STATS_TO`, `DEAD`).
-        stats_socket: a connected PUSH for stats reports, owned by this thread from now on.
-        stats_address: where `stats_socket` is connected.
+        ctx: the engine's ZMQ context.
+        stats_address: where to push stats reports (`make_stats_socket`); None: no reports.
     """
 
     def __init__(
         self,
         engine_index: int,
         work_queue: queue.SimpleQueue[tuple[Any, ...]],
-        stats_socket: zmq.Socket | None,
+        ctx: zmq.Context,
         stats_address: str | None = None,
     ) -> None:
         super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
         self._engine_index = engine_index
         self._work_queue = work_queue
-        self._stats_socket = stats_socket
+        self._stats_socket = (
+            None if stats_address is None else make_stats_socket(ctx, stats_address)
+        )
         self._stats_address = stats_address
         self._num_stats_dropped = 0
         self._encoder = MsgpackEncoder()

@@ -28,7 +28,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_io import InputThread, Op
-from engine.core_output import OutputThread, make_stats_socket
+from engine.core_output import OutputThread
 from engine.engine_core import EngineCore
 from engine.protocol import (
     EngineCoreOutputs,
@@ -106,14 +106,11 @@ class EngineCoreProc:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         self._input_address = self._bind(router, host, transport)
-        stats_socket = None
-        if stats_address is not None:
-            stats_socket = make_stats_socket(self._ctx, stats_address)
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
         self._input_thread = InputThread(self._ctx, router, facts, methods, self._input_queue)
         self._output_thread = OutputThread(
-            engine_index, queue.SimpleQueue(), stats_socket, stats_address
+            engine_index, queue.SimpleQueue(), self._ctx, stats_address
         )
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None

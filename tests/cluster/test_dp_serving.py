@@ -284,6 +284,12 @@ async def _streams_on(llm: AsyncLLM, rank: int, count: int) -> list[asyncio.Task
     return streams
 
 
+def _identity_of(cluster: ClusterHandle, rank: int) -> bytes:
+    endpoint = cluster.membership().ranks[rank].endpoint
+    assert endpoint is not None
+    return endpoint.identity
+
+
 async def _new_incarnation_attached(
     cluster: ClusterHandle, rank: int, old_identity: bytes, drivers: list[AsyncLLM]
 ) -> None:
@@ -308,7 +314,7 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
     victim, survivor = 0, 1
     doomed = await _streams_on(llm, victim, 3)
     await asyncio.sleep(0.2)  # decoding on the victim
-    old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
+    old_identity = _identity_of(cluster, victim)
     ray.kill(cluster.engine(victim), no_restart=False)
     killed_at = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*doomed, return_exceptions=True), 10)
@@ -344,7 +350,7 @@ async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_d
 ) -> None:
     victim, survivor = 1, 0
     stuck = await _streams_on(llm, victim, 2)
-    old_identity = cluster.membership().ranks[victim].endpoint.identity  # type: ignore[union-attr]
+    old_identity = _identity_of(cluster, victim)
     pid = ray.get(cluster.engine(victim).health.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)  # alive to Ray, deaf to everyone
     try:

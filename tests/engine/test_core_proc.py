@@ -190,7 +190,7 @@ def test_unsendable_utility_result_becomes_a_failure() -> None:
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
     work: queue.SimpleQueue = queue.SimpleQueue()
-    thread = OutputThread(2, work, None)
+    thread = OutputThread(2, work, ctx)
     thread.start()
     try:
         unsendable = UtilityOutput(41, result=UtilityResult(object()))

@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from engine.core_io import Op
-from engine.core_output import STATS_SNDHWM, OutputThread, make_stats_socket
+from engine.core_output import STATS_SNDHWM, OutputThread
 from engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -34,7 +34,7 @@ def test_sends_never_overtake_submitted_work_and_go_inline_once_idle() -> None:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
-    thread = OutputThread(3, queue.SimpleQueue(), None)
+    thread = OutputThread(3, queue.SimpleQueue(), ctx)
     thread.start()
     try:
         hello = EngineCoreOutputs(utility_output=UtilityOutput(7, result=UtilityResult(None)))
@@ -71,8 +71,7 @@ def test_stats_for_an_absent_coordinator_are_dropped_not_queued_ahead_of_outputs
     with socket.socket() as probe:  # a port nobody listens on: a dead coordinator's
         probe.bind(("127.0.0.1", 0))
         coordinator_port = probe.getsockname()[1]
-    stats = make_stats_socket(ctx, f"tcp://127.0.0.1:{coordinator_port}")
-    thread = OutputThread(0, queue.SimpleQueue(), stats, f"tcp://127.0.0.1:{coordinator_port}")
+    thread = OutputThread(0, queue.SimpleQueue(), ctx, f"tcp://127.0.0.1:{coordinator_port}")
     thread.start()
     try:
         hello = EngineCoreOutputs(utility_output=UtilityOutput(1, result=UtilityResult(None)))
