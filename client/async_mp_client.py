@@ -19,6 +19,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
+from client.engine_monitor import is_recheck_notice
 from client.mp_client import (
     HELLO_RESEND_S,
     BackgroundResources,
@@ -110,6 +111,9 @@ class AsyncMPClient(MPClient):
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
         super().__init__(endpoints, asyncio_mode=True, **kwargs)
+        self.resources.reattaches_launched_engines = True  # `_on_engine_lost`
+        self._recheck_task: asyncio.Task[None] | None = None
+        self._is_recheck_due = False
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
         try:
             asyncio.get_running_loop()
@@ -180,6 +184,9 @@ class AsyncMPClient(MPClient):
                         num_unyielded = 1
                     try:
                         if not resources.validate_alive(frames):
+                            if is_recheck_notice(frames) and (_self := _self_ref()) is not None:
+                                _self._recheck_attached()
+                                del _self
                             continue
                     except EngineDeadError as dead:
                         fail_utility_calls(
@@ -188,6 +195,9 @@ class AsyncMPClient(MPClient):
                         outputs_queue.put_nowait(dead)
                         if resources.is_terminal(dead):
                             return
+                        if dead.engine_index is not None and (_self := _self_ref()) is not None:
+                            _self._on_engine_lost(dead.engine_index)
+                            del _self
                         continue
                     outputs: EngineCoreOutputs = decoder.decode(frames)
                     if outputs.utility_output:
@@ -206,8 +216,8 @@ class AsyncMPClient(MPClient):
                             task = asyncio.create_task(
                                 notification_callback_handler(_self, notification_data)
                             )
-                            resources.notification_tasks.add(task)
-                            task.add_done_callback(resources.notification_tasks.discard)
+                            resources.side_tasks.add(task)
+                            task.add_done_callback(resources.side_tasks.discard)
                         else:
                             process_utility_output(outputs.utility_output, utility_results)
                             utility_engines.pop(outputs.utility_output.call_id, None)
@@ -387,7 +397,9 @@ class AsyncMPClient(MPClient):
         self._connect_engine(endpoint, process)
         return await self._hello_async(endpoint)
 
-    async def reattach_engine_async(self, engine_index: int) -> EngineFacts:
+    async def reattach_engine_async(
+        self, engine_index: int, *, detach_on_failure: bool = True
+    ) -> EngineFacts:
         """Says HELLO again to an engine this client counted dead, whose process lives on.
 
         For a connection that failed on this client's side (its heartbeats timed out while the
@@ -397,44 +409,91 @@ class AsyncMPClient(MPClient):
         the socket is not disconnected and connected again: libzmq refuses a routing id that a
         closing connection still holds (libzmq#1572).
 
-        Only for a client whose engines may come back (`resources.engines_can_return`, as a
-        cluster link sets it): otherwise the death of its last engine ends its output task.
+        Only for an engine that may come back (`resources.may_return`): one of a client whose
+        engines a cluster link re-attaches, or one this client launched whose process lives
+        (this client does that itself: `_on_engine_lost`). Otherwise the death of its last
+        engine has ended the output task.
+
+        Args:
+            detach_on_failure: whether an engine that refuses or does not answer is removed
+                from this client (else it stays, counted dead, to be asked again).
 
         Raises:
-            ValueError: the engine is not attached, or not counted dead, or engines of this
-                client may not come back.
+            ValueError: the engine is not attached, or not counted dead, or may not come back.
             EngineAttachError, EngineDeadError, TimeoutError: as for `add_engine_async`.
         """
         endpoint = self.engines.get(engine_index)
         if endpoint is None or engine_index not in self.resources.dead_engines:
             raise ValueError(f"engine {engine_index} is not an attached engine counted dead")
-        if not self.resources.engines_can_return:
-            raise ValueError("this client's engines may not come back (engines_can_return)")
+        if not self.resources.may_return(engine_index):
+            raise ValueError(f"engine {engine_index} may not come back to this client")
         self._ensure_output_queue_task()
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
         # The facts of the attach that ended go: until the answer brings new ones, no stats
         # report can say this client is not attached (`DPAsyncMPClient._is_detached_by`).
         self.engine_facts.pop(engine_index, None)
-        self.resources.dead_engines.discard(engine_index)
-        return await self._hello_async(endpoint)
+        self.resources.forget_death(engine_index)
+        return await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
 
-    async def _hello_async(self, endpoint: EngineEndpoint) -> EngineFacts:
-        """HELLO on the connected input socket until answered; a failure detaches the engine."""
+    def _on_engine_lost(self, engine_index: int) -> None:
+        """Called by the output task for an engine it learned is dead, but not for good.
+
+        An engine this client launched, lost while its process lives (it let this client go
+        while the client was paused past its heartbeat timeout, say), is attached again in a
+        side task. Subclasses add what a loss means to them.
+        """
+        resources = self.resources
+        if resources.engines_can_return or not resources.may_return(engine_index):
+            return  # whoever set engines_can_return attaches them again
+        task = asyncio.create_task(
+            _reattach_while_alive(weakref.ref(self), engine_index), name=f"Reattach{engine_index}"
+        )
+        resources.side_tasks.add(task)
+        task.add_done_callback(resources.side_tasks.discard)
+
+    async def _hello_async(
+        self, endpoint: EngineEndpoint, *, detach_on_failure: bool = True
+    ) -> EngineFacts:
+        """HELLO on the connected input socket until answered; a failure detaches the engine,
+        or with `detach_on_failure=False` leaves it counted dead."""
+        engine_index = endpoint.engine_index
+        try:
+            facts = await self._ask_hello(endpoint, self._hello_timeout_s)
+        except EngineUtilityError as e:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise EngineAttachError(f"engine {engine_index} refused this client: {e}") from None
+        except TimeoutError:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise TimeoutError(f"engine {engine_index} did not answer HELLO in time") from None
+        except zmq.ZMQError:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise
+        self.engine_facts[engine_index] = facts
+        return facts
+
+    async def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
+        """Says HELLO, again every HELLO_RESEND_S (as `_attach_blocking` does), until answered.
+
+        Raises:
+            EngineUtilityError: the engine refused.
+            TimeoutError: no answer within `timeout_s`.
+            EngineDeadError, zmq.ZMQError: the engine died, or could not be sent to.
+        """
         call_id, message = self._hello_message()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self.utility_results[call_id] = future
         self.utility_engines[call_id] = endpoint.engine_index
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._hello_timeout_s
+        deadline = loop.time() + timeout_s
         router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
         try:
             await _send_hello_async(router, endpoint.identity, message, deadline)
-            while True:  # a lost HELLO or answer is asked again, as in `_attach_blocking`
+            while True:
                 wait_s = min(HELLO_RESEND_S, max(0.0, deadline - loop.time()))
                 try:
-                    facts = await asyncio.wait_for(asyncio.shield(future), wait_s)
-                    break
+                    facts: EngineFacts = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                    return facts
                 except TimeoutError:
                     if loop.time() >= deadline:
                         raise
@@ -442,21 +501,92 @@ class AsyncMPClient(MPClient):
                     "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
                 )
                 await _send_hello_async(router, endpoint.identity, message, deadline)
-        except EngineUtilityError as e:
-            self.remove_engine(endpoint.engine_index)
-            raise EngineAttachError(
-                f"engine {endpoint.engine_index} refused this client: {e}"
-            ) from None
-        except TimeoutError:
-            self.remove_engine(endpoint.engine_index)
-            raise TimeoutError(
-                f"engine {endpoint.engine_index} did not answer HELLO in time"
-            ) from None
-        except zmq.ZMQError:
-            self.remove_engine(endpoint.engine_index)
-            raise
-        self.engine_facts[endpoint.engine_index] = facts
-        return facts
+        finally:
+            self.utility_results.pop(call_id, None)
+            self.utility_engines.pop(call_id, None)
+
+    def _on_hello_failed(self, engine_index: int, detach: bool) -> None:
+        if detach:
+            self.remove_engine(engine_index)
+        else:
+            self.resources.dead_engines.add(engine_index)  # sends to it fail at once again
+
+    def _recheck_attached(self) -> None:
+        """Asks, in a side task, whether every attached engine still counts this client attached
+        (on the monitor's RECHECK_ATTACHED: one may have let this client go without a word).
+
+        The question is a repeated HELLO on the same connection: an engine that still has this
+        client attached answers it with the same attach serial; one that let it go attaches it
+        afresh, under a new serial. The requests this client had there are gone, so such an
+        engine counts as lost (`EngineMonitor.declare_lost`): they fail, and it is attached
+        again as any lost engine is. An engine that does not answer is left to the monitor.
+        """
+        if self._recheck_task is not None and not self._recheck_task.done():
+            self._is_recheck_due = True  # asked again while asking: once more after
+            return
+        task = asyncio.create_task(self._recheck_attached_async(), name="RecheckAttached")
+        self._recheck_task = task
+        self.resources.side_tasks.add(task)
+        task.add_done_callback(self.resources.side_tasks.discard)
+
+    async def _recheck_attached_async(self) -> None:
+        self._is_recheck_due = True
+        while self._is_recheck_due:
+            self._is_recheck_due = False
+            known = {
+                index: facts
+                for index, facts in self.engine_facts.items()
+                if index in self.engines and index not in self.resources.dead_engines
+            }
+            answers = await asyncio.gather(
+                *(self._ask_hello(self.engines[i], _RECHECK_TIMEOUT_S) for i in known),
+                return_exceptions=True,
+            )
+            for (index, facts), answer in zip(known.items(), answers, strict=True):
+                if isinstance(answer, BaseException):
+                    continue  # dead, hung or removed: the monitor or a removal tells of it
+                if answer.attach_serial != facts.attach_serial:
+                    self._on_let_go(index, "it attached this client afresh")
+
+    def _on_let_go(self, engine_index: int, evidence: str) -> None:
+        """An engine let this client go (it took it for dead): the requests there are lost, so
+        it counts as lost (once), and is attached again as any lost engine is."""
+        assert self.resources.engine_monitor is not None
+        if self.resources.engine_monitor.declare_lost(engine_index):
+            logger.warning(
+                "engine %d no longer counts this client attached (%s); its requests there are lost",
+                engine_index,
+                evidence,
+            )
+
+
+# How long an engine may take to answer a recheck's HELLO.
+_RECHECK_TIMEOUT_S = 5.0
+
+
+# Between HELLOs to a launched engine that was lost and has not answered yet.
+_REATTACH_RETRY_S = 1.0
+
+
+async def _reattach_while_alive(
+    client_ref: weakref.ReferenceType[AsyncMPClient], engine_index: int
+) -> None:
+    """HELLO to a launched engine the client lost, until it answers or its process exits.
+
+    Holds the client only weakly between tries, so a dropped client is still collected.
+    """
+    while (client := client_ref()) is not None:
+        resources = client.resources
+        if engine_index not in resources.dead_engines or not resources.may_return(engine_index):
+            return
+        try:
+            await client.reattach_engine_async(engine_index, detach_on_failure=False)
+            logger.info("engine %d is attached again", engine_index)
+            return
+        except (EngineAttachError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
+            logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
+        del client, resources
+        await asyncio.sleep(_REATTACH_RETRY_S)
 
 
 async def _send_hello_async(

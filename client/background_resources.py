@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from client.engine_monitor import EngineMonitor
+from client.engine_monitor import RECHECK_ATTACHED, EngineMonitor
 from engine.core_proc import stop_engine_process
 from engine.errors import EngineDeadError
 from engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
@@ -54,45 +54,74 @@ class BackgroundResources:
     dead_engines: set[int] = field(default_factory=set)
     # (tracker, objects) of zero-copy sends: the tensors must outlive ZMQ's use of them.
     pending_messages: deque[tuple[zmq.MessageTracker, Any]] = field(default_factory=deque)
-    notification_tasks: set[Any] = field(default_factory=set)
+    # asyncio tasks the output task started (EEP notification handlers, re-attaches).
+    side_tasks: set[Any] = field(default_factory=set)
     ipc_path: str | None = None  # the output socket's file, removed on close
     is_output_done: bool = False  # the sync output thread ended: its last error is terminal
     is_closed: bool = False
     # Set when something (a cluster link) re-attaches engines that died: then even the death of
     # every engine is not terminal for the client.
     engines_can_return: bool = False
+    # Set by a client that attaches again, for as long as its process lives, an engine it
+    # launched and lost (`AsyncMPClient`).
+    reattaches_launched_engines: bool = False
+    gone_engines: set[int] = field(default_factory=set)  # dead and told so for good
 
     def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
         """Checks a received message for a death notice.
 
         Returns:
-            True for a data message; False for a repeated notice about an engine already dead.
+            True for a data message; False for a RECHECK_ATTACHED notice (the asyncio client
+            acts on it; see `client.engine_monitor`) or a repeated one about a death.
 
         Raises:
-            EngineDeadError: on the first notice that an engine died.
+            EngineDeadError: on the first notice that an engine died, and once more when an
+                engine counted dead that could come back no longer can (its process exited).
         """
         if len(frames) != 2 or len(frames[0]) != len(ENGINE_CORE_DEAD):
             return True
-        if frames[0].bytes != ENGINE_CORE_DEAD:
+        kind = frames[0].bytes
+        if kind == RECHECK_ATTACHED:
+            return False
+        if kind != ENGINE_CORE_DEAD:
             return True
         detail = frames[1].bytes
         engine_index = int(detail) if detail.isdigit() else None
-        if engine_index is not None and engine_index in self.dead_engines:
-            return False
         if engine_index is None:
             self.dead_engines.update(self.engine_identities)
+        elif engine_index in self.dead_engines and (
+            engine_index in self.gone_engines or self.may_return(engine_index)
+        ):
+            return False
         else:
             self.dead_engines.add(engine_index)
-        raise EngineDeadError("it sent ENGINE_CORE_DEAD or disappeared", engine_index=engine_index)
+            if not self.may_return(engine_index):
+                self.gone_engines.add(engine_index)
+        raise EngineDeadError(
+            "it sent ENGINE_CORE_DEAD, disappeared, or let this client go",
+            engine_index=engine_index,
+        )
 
-    def all_engines_dead(self) -> bool:
-        return self.dead_engines.issuperset(self.engine_identities)
+    def forget_death(self, engine_index: int) -> None:
+        """The engine index is attached afresh (or removed): what was known of its death goes."""
+        self.dead_engines.discard(engine_index)
+        self.gone_engines.discard(engine_index)
+
+    def may_return(self, engine_index: int) -> bool:
+        """Whether an engine counted dead may be attached again."""
+        if self.engines_can_return:
+            return True
+        process = self.processes.get(engine_index)
+        return self.reattaches_launched_engines and process is not None and process.exitcode is None
 
     def is_terminal(self, dead: EngineDeadError) -> bool:
-        """Whether this death ends the client's output stream for good."""
+        """Whether this death ends the client's output stream for good: every engine is dead
+        and none may come back."""
         if dead.engine_index is None:
             return True
-        return self.all_engines_dead() and not self.engines_can_return
+        return all(
+            i in self.dead_engines and not self.may_return(i) for i in self.engine_identities
+        )
 
     def remove_output_reader(self) -> None:
         """Unregisters the output task's FD reader (idempotent); before the socket closes.
@@ -117,16 +146,18 @@ class BackgroundResources:
         if self.is_closed:
             return
         self.is_closed = True
-        for task in (self.output_queue_task, self.stats_update_task):
+        for task in (self.output_queue_task, self.stats_update_task, *self.side_tasks):
             if task is not None and not task.done():
                 loop = task.get_loop()
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(task.cancel)
         threads: list[threading.Thread] = []
-        if self.input_socket is not None and not self.input_socket.closed:
-            # Before the monitor thread closes its end: an event sent to a closed monitor
-            # reader blocks libzmq's I/O thread for good (libzmq#3575), and `ctx.term()` with it.
-            zmq.Socket.shadow(self.input_socket.underlying).disable_monitor()
+        for socket in (self.input_socket, self.output_socket):
+            if socket is not None and not socket.closed:
+                # Before the monitor thread closes its ends: an event sent to a closed monitor
+                # reader blocks libzmq's I/O thread for good (libzmq#3575), and `ctx.term()`
+                # with it.
+                zmq.Socket.shadow(socket.underlying).disable_monitor()
         if self.engine_monitor is not None:
             self.engine_monitor.stop()
             threads.append(self.engine_monitor)

@@ -126,13 +126,7 @@ class DPAsyncMPClient(AsyncMPClient):
             if endpoint is None or report.identity != endpoint.identity:
                 continue  # a rank not attached here, or the last word of a dead incarnation
             if self._is_detached_by(report):
-                assert self.resources.engine_monitor is not None
-                if self.resources.engine_monitor.declare_lost(rank):
-                    logger.warning(
-                        "engine %d no longer counts this client attached (it was unreachable "
-                        "too long); its requests there are lost",
-                        rank,
-                    )
+                self._on_let_go(rank, "its stats no longer list this client")
                 continue
             seen = report.requests_seen.get(self.client_index, 0)
             self._on_rank_stats(rank, report.stats, seen)
@@ -155,15 +149,11 @@ class DPAsyncMPClient(AsyncMPClient):
         """Hook for subclasses: one rank's load, measured after it had taken in
         `requests_seen` of this client's requests."""
 
-    async def get_output_async(self) -> EngineCoreOutputs:
-        try:
-            return await super().get_output_async()
-        except EngineDeadError as dead:
-            if dead.engine_index is not None:
-                self._stop_routing_to(dead.engine_index)
-                if self.on_engine_lost is not None:
-                    self.on_engine_lost(dead.engine_index)
-            raise
+    def _on_engine_lost(self, engine_index: int) -> None:
+        self._stop_routing_to(engine_index)
+        if self.on_engine_lost is not None:
+            self.on_engine_lost(engine_index)
+        super()._on_engine_lost(engine_index)
 
     async def add_engine_async(
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None
@@ -172,8 +162,12 @@ class DPAsyncMPClient(AsyncMPClient):
         self._start_routing_to(endpoint.engine_index)
         return facts
 
-    async def reattach_engine_async(self, engine_index: int) -> EngineFacts:
-        facts = await super().reattach_engine_async(engine_index)
+    async def reattach_engine_async(
+        self, engine_index: int, *, detach_on_failure: bool = True
+    ) -> EngineFacts:
+        facts = await super().reattach_engine_async(
+            engine_index, detach_on_failure=detach_on_failure
+        )
         self._start_routing_to(engine_index)
         return facts
 

@@ -2,9 +2,19 @@
 
 An engine is declared dead when its process (if this client launched it) exits, when the
 client's input connection to it drops and does not come back within a grace period, or when
-the client is told that the engine no longer counts it attached (`declare_lost`). The notice
-is an ENGINE_CORE_DEAD message pushed into the client's own output socket, so the one consumer
-of that socket learns of every death the same way. Knows nothing of requests or asyncio.
+the client is told that the engine no longer counts it attached (`declare_lost`). An engine
+lost while its process lives is reported again when that process exits, so a client waiting
+for it to come back learns it never will. The notice is an ENGINE_CORE_DEAD message pushed
+into the client's own output socket, so the one consumer of that socket learns of every death
+the same way.
+
+The monitor also says when the client may have been let go without a word
+(`RECHECK_ATTACHED`): an engine's connection to the client's output socket dropped (an engine
+lets go of a client it took for dead, one paused past its heartbeat timeout, say, by closing
+that connection), or the client's input connection to an engine came back within the grace
+period (the engine knows a connection by the routing id it gave it, and takes a new one for a
+stranger until it says HELLO). The consumer then asks the engines whether they still count it
+attached. Knows nothing of requests or asyncio.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -20,24 +31,43 @@ from engine.protocol import ENGINE_CORE_DEAD
 
 logger = logging.getLogger(__name__)
 
+# The notice (as [RECHECK_ATTACHED, b""]) that the client may have been let go. As long as
+# ENGINE_CORE_DEAD, so one length test tells both notices from engine messages.
+RECHECK_ATTACHED = b"RECHECK_ATTACHED"
+assert len(RECHECK_ATTACHED) == len(ENGINE_CORE_DEAD)
+
+
+def is_recheck_notice(frames: Sequence[zmq.Frame]) -> bool:
+    return len(frames) == 2 and frames[0].bytes == RECHECK_ATTACHED
+
+
 # How long an engine's input connection may stay down before the engine counts as dead.
 ENGINE_DISCONNECT_GRACE_S = 1.0
 _POLL_MS = 100
 
 
 class EngineMonitor(threading.Thread):
-    """Watches engine processes and the input ROUTER's connections; holds no client reference.
+    """Watches engine processes and the client's sockets' connections; holds no client reference.
 
     Args:
         ctx: a synchronous context (a shadow of the client's, in asyncio mode).
-        router_monitor_address: the inproc address the input ROUTER publishes its events on.
-        notify_address: the client's output (PULL) address, where death notices go.
+        router_monitor_address: the inproc address the input ROUTER publishes its events on
+            (HANDSHAKE_SUCCEEDED and DISCONNECTED).
+        output_monitor_address: the same for the output PULL (DISCONNECTED).
+        notify_address: the client's output (PULL) address, where notices go.
     """
 
-    def __init__(self, ctx: zmq.Context, router_monitor_address: str, notify_address: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        router_monitor_address: str,
+        output_monitor_address: str,
+        notify_address: str,
+    ) -> None:
         super().__init__(name="EngineMonitor", daemon=True)
         self._ctx = ctx
         self._router_monitor_address = router_monitor_address
+        self._output_monitor_address = output_monitor_address
         self._notify_address = notify_address
         self._lock = threading.Lock()
         self._index_by_address: dict[str, int] = {}
@@ -82,37 +112,42 @@ class EngineMonitor(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        events = self._ctx.socket(zmq.PAIR)
-        events.connect(self._router_monitor_address)
+        router_events = self._ctx.socket(zmq.PAIR)
+        router_events.connect(self._router_monitor_address)
+        output_events = self._ctx.socket(zmq.PAIR)
+        output_events.connect(self._output_monitor_address)
         notify = self._ctx.socket(zmq.PUSH)
         notify.setsockopt(zmq.LINGER, 0)
         notify.connect(self._notify_address)
         try:
             while not self._stop_event.is_set():
                 poller = zmq.Poller()  # rebuilt each turn: engines come and go
-                poller.register(events, zmq.POLLIN)
+                poller.register(router_events, zmq.POLLIN)
+                poller.register(output_events, zmq.POLLIN)
                 with self._lock:
                     sentinels = [p.sentinel for p in self._processes.values()]
                 for sentinel in sentinels:
                     poller.register(sentinel, zmq.POLLIN)  # readable once the process exits
-                if any(socket is events for socket, _ in poller.poll(_POLL_MS)):
-                    self._on_router_events(events)
+                ready = {socket for socket, _ in poller.poll(_POLL_MS)}
+                is_recheck_due = router_events in ready and self._on_router_events(router_events)
+                if output_events in ready and _drain_events(output_events):
+                    is_recheck_due = True  # every event subscribed there is a DISCONNECTED
                 for engine_index in self._find_dead():
-                    logger.error("engine %d is gone", engine_index)
+                    logger.error("engine %d is gone, or lost to this client", engine_index)
                     notify.send_multipart([ENGINE_CORE_DEAD, str(engine_index).encode()])
+                if is_recheck_due:
+                    notify.send_multipart([RECHECK_ATTACHED, b""])
         except zmq.ContextTerminated:
             pass
         finally:
-            events.close(linger=0)
+            router_events.close(linger=0)
+            output_events.close(linger=0)
             notify.close(linger=0)
 
-    def _on_router_events(self, events: zmq.Socket) -> None:
-        while True:
-            try:
-                event_frame, endpoint = events.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = int.from_bytes(event_frame[:2], "little")
+    def _on_router_events(self, events: zmq.Socket) -> bool:
+        """Returns whether an input connection came back within its grace period."""
+        has_reconnected = False
+        for event, endpoint in _drain_events(events):
             with self._lock:
                 engine_index = self._index_by_address.get(endpoint.decode())
                 if engine_index is None:
@@ -120,17 +155,30 @@ class EngineMonitor(threading.Thread):
                 if event == zmq.EVENT_DISCONNECTED:
                     deadline = time.monotonic() + ENGINE_DISCONNECT_GRACE_S
                     self._deadlines.setdefault(engine_index, deadline)
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._deadlines.pop(engine_index, None)
+                elif self._deadlines.pop(engine_index, None) is not None:  # HANDSHAKE_SUCCEEDED
+                    has_reconnected = True
+        return has_reconnected
 
     def _find_dead(self) -> list[int]:
         now = time.monotonic()
         with self._lock:
-            dead = {i for i, deadline in self._deadlines.items() if deadline <= now}
-            dead |= {i for i, p in self._processes.items() if p.exitcode is not None}
-            dead -= self._reported
+            lost = {i for i, deadline in self._deadlines.items() if deadline <= now}
+            exited = {i for i, p in self._processes.items() if p.exitcode is not None}
+            for engine_index in lost:
+                del self._deadlines[engine_index]
+            for engine_index in exited:
+                del self._processes[engine_index]  # reported once, even after a loss
+            dead = (lost - self._reported) | exited
             self._reported |= dead
-            for engine_index in dead:
-                self._deadlines.pop(engine_index, None)
-                self._processes.pop(engine_index, None)
         return sorted(dead)
+
+
+def _drain_events(events: zmq.Socket) -> list[tuple[int, bytes]]:
+    """The (event, endpoint) pairs waiting on a socket monitor's reader."""
+    drained: list[tuple[int, bytes]] = []
+    while True:
+        try:
+            event_frame, endpoint = events.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return drained
+        drained.append((int.from_bytes(event_frame[:2], "little"), endpoint))

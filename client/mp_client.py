@@ -124,11 +124,13 @@ class MPClient:
         try:
             self.input_socket = self._make_input_socket()
             self.output_socket, self.output_address = self._make_output_socket(host, transport)
-            monitor_address = f"inproc://engine-router-monitor-{uuid.uuid4().hex}"
+            router_monitor = f"inproc://engine-router-monitor-{uuid.uuid4().hex}"
             self.input_socket.monitor(
-                monitor_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                router_monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
-            monitor = EngineMonitor(sync_ctx, monitor_address, self.output_address)
+            output_monitor = f"inproc://client-output-monitor-{uuid.uuid4().hex}"
+            self.output_socket.monitor(output_monitor, zmq.EVENT_DISCONNECTED)
+            monitor = EngineMonitor(sync_ctx, router_monitor, output_monitor, self.output_address)
             self.resources.engine_monitor = monitor
             monitor.start()
             processes = processes or {}
@@ -245,7 +247,7 @@ class MPClient:
         self._disconnected_at[endpoint.identity] = now
         self._engine_index_of.pop(endpoint.identity, None)
         self.resources.engine_identities.pop(engine_index, None)
-        self.resources.dead_engines.discard(engine_index)
+        self.resources.forget_death(engine_index)
         self.engine_facts.pop(engine_index, None)
         error = EngineDeadError("it was removed from this client", engine_index=engine_index)
         fail_utility_calls(self.utility_results, self.utility_engines, engine_index, error)
@@ -270,7 +272,7 @@ class MPClient:
         self.engines[index] = endpoint
         self._engine_index_of[endpoint.identity] = index
         self.resources.engine_identities[index] = endpoint.identity
-        self.resources.dead_engines.discard(index)
+        self.resources.forget_death(index)
         if process is not None:
             self.resources.processes[index] = process
 

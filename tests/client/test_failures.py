@@ -35,6 +35,7 @@ from tests.engine.core_proc_utils import (
     tiny_config,
 )
 from tests.factories import make_tiny_checkpoint
+from tests.pausable_driver import ALL_OK, pause_and_resume
 
 ROOT = Path(__file__).resolve().parents[2]
 DETECTION_LIMIT_S = 2.0
@@ -134,6 +135,56 @@ async def test_a_paused_engine_counts_as_dead_and_is_attached_again_once_it_answ
         client.shutdown()
     finally:
         stop_engine_process(process)
+
+
+@pytest.mark.slow
+async def test_a_launched_engine_is_attached_again_while_it_lives_and_ends_the_client_once_gone(
+    engine_checkpoint: str,
+) -> None:
+    client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
+    process = client.resources.processes[0]
+    assert process.pid is not None
+    try:
+        await client.add_request_async(request("paused", max_tokens=400))
+        await asyncio.wait_for(client.get_output_async(), 10)
+        os.kill(process.pid, signal.SIGSTOP)  # its heartbeats stop: lost, but not for good
+        try:
+            error = await _raises_dead(_drain_until_dead(client))
+            assert error.engine_index == 0 and not client.resources.is_terminal(error)
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15  # the client says HELLO again by itself
+        while 0 in client.resources.dead_engines or 0 not in client.engine_facts:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await client.add_request_async(request("resumed", max_tokens=3))
+        finished: list[str] = []
+        while "resumed" not in finished:  # the given-up request's last outputs may come first
+            outputs = await asyncio.wait_for(client.get_output_async(), 10)
+            finished += [o.request_id for o in outputs.outputs if o.finished]
+        # Lost again, then its process exits: that death is final, and told as such.
+        os.kill(process.pid, signal.SIGSTOP)
+        error = await _raises_dead(_drain_until_dead(client))
+        assert not client.resources.is_terminal(error)
+        os.kill(process.pid, signal.SIGKILL)
+        error = await _raises_dead(_drain_until_dead(client))
+        assert error.engine_index == 0 and client.resources.is_terminal(error)
+        assert client.resources.output_queue_task.done()
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+def test_a_driver_paused_past_its_engines_patience_fails_what_it_lost_and_is_served_again(
+    engine_checkpoint: str,
+) -> None:
+    # Its engine drops it while it is stopped, closing the connection to its output socket.
+    # Resumed, the client asks the engine whether it is still attached, learns it is not (the
+    # answer comes under a new attach serial): what it sent there fails, and it is attached again.
+    # Before, every request it sent after it resumed was dropped without a word and hung.
+    output = pause_and_resume(["--model", engine_checkpoint])
+    assert ALL_OK in output, output
+    assert "no longer counts this client attached (it attached this client afresh)" in output
 
 
 def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_use(

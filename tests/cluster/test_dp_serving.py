@@ -7,8 +7,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -30,7 +28,8 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.protocol import DPStatsSnapshot, EngineCoreRequest
 from tests.factories import make_tiny_checkpoint
-from tests.ray_utils import REPO_ROOT, ray_env, unique_namespace
+from tests.pausable_driver import ALL_OK, pause_and_resume
+from tests.ray_utils import ray_env, unique_namespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -383,72 +382,18 @@ async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_d
             os.kill(pid, signal.SIGCONT)
 
 
-_PAUSABLE_DRIVER = """
-import asyncio, sys, time
-import ray
-from client import AsyncLLM, SamplingParams
-
-async def one(llm, prompt):
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        final = None
-        async for final in llm.generate(prompt, params):
-            pass
-        return "ok"
-    except Exception as e:
-        return type(e).__name__
-
-async def main():
-    llm = await AsyncLLM.connect(sys.argv[1], host="127.0.0.1", name="pausable")
-    print(await asyncio.gather(*(one(llm, f"before {i}") for i in range(4))), flush=True)
-    await asyncio.to_thread(sys.stdin.readline)  # paused and resumed around this
-    started = time.monotonic()
-    while time.monotonic() - started < 30:
-        results = await asyncio.wait_for(
-            asyncio.gather(*(one(llm, f"after {i}") for i in range(4))), 10
-        )
-        print(results, flush=True)
-        if results == ["ok"] * 4:
-            break
-        await asyncio.sleep(0.5)
-    await llm.shutdown()
-
-ray.init(address=sys.argv[2], log_to_driver=False)
-asyncio.run(main())
-"""
-
-
 async def test_a_driver_paused_past_the_engines_patience_is_told_and_attaches_again(
-    cluster: ClusterHandle, tmp_path: Any
+    cluster: ClusterHandle,
 ) -> None:
-    await asyncio.to_thread(_pause_and_resume_a_driver, cluster, tmp_path)
+    await asyncio.to_thread(_pause_and_resume_a_driver, cluster)
 
 
-def _pause_and_resume_a_driver(cluster: ClusterHandle, tmp_path: Any) -> None:
-    script = tmp_path / "pausable_driver.py"
-    script.write_text(_PAUSABLE_DRIVER)
+def _pause_and_resume_a_driver(cluster: ClusterHandle) -> None:
     gcs_address = ray.get_runtime_context().gcs_address
-    driver = subprocess.Popen(
-        [sys.executable, str(script), cluster.namespace, gcs_address],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=ray_env(), cwd=REPO_ROOT,
-    )  # fmt: skip
-    assert driver.stdin is not None and driver.stdout is not None
-    try:
-        lines = []
-        while "ok" not in (line := driver.stdout.readline()):
-            assert line, "".join(lines)
-            lines.append(line)
-        # Paused longer than the engines wait for a silent client (heartbeat timeout + grace):
-        # they drop it. Resumed, it must learn that, fail what it lost, and attach again.
-        os.kill(driver.pid, signal.SIGSTOP)
-        time.sleep(8)
-        os.kill(driver.pid, signal.SIGCONT)
-        driver.stdin.write("go\n")
-        driver.stdin.flush()
-        output, _ = driver.communicate(timeout=60)
-        assert driver.returncode == 0, output
-        assert "['ok', 'ok', 'ok', 'ok']" in output, output
-        assert "no longer counts this client attached" in output, output
-    finally:
-        driver.kill()
+    # Paused longer than the engines wait for a silent client: they drop it. Resumed, it must
+    # learn that, fail what it lost, and attach again.
+    output = pause_and_resume(
+        ["--namespace", cluster.namespace, "--address", gcs_address], ray_env()
+    )
+    assert ALL_OK in output, output
+    assert "no longer counts this client attached" in output, output
