@@ -1,12 +1,14 @@
 """`SyncMPClient`: the blocking engine-core client; a daemon thread reads the output socket.
 
-It adds to `MPClient` only how outputs are consumed (a thread and a `queue.Queue`) and blocking
-calls; sockets, the handshake and the engine set are the base class's.
+It adds to `MPClient` how outputs are consumed (a thread and a `queue.Queue`), blocking calls,
+and the caller-thread half of the attach recheck (`_recheck_attached`); sockets, the handshake
+and the engine set are the base class's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -16,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from client.engine_monitor import is_recheck_notice
 from client.mp_client import (
     AnyFuture,
     BackgroundResources,
@@ -41,8 +44,20 @@ from engine.protocol import (
 )
 from engine.serial import MsgpackDecoder
 
-# The output thread wakes this often to notice close().
+logger = logging.getLogger(__name__)
+
+# The output thread wakes this often to notice close(); a blocked utility call, to recheck.
 _OUTPUT_THREAD_POLL_MS = 100
+# How long an engine may take to answer a recheck's HELLO.
+_RECHECK_TIMEOUT_S = 5.0
+
+
+class _RecheckDue:
+    """What the output thread queues to wake `get_output` for a recheck."""
+
+
+_RECHECK_DUE = _RecheckDue()
+_QueueItem = EngineCoreOutputs | Exception | _RecheckDue
 
 
 class SyncMPClient(MPClient):
@@ -53,7 +68,10 @@ class SyncMPClient(MPClient):
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
         super().__init__(endpoints, asyncio_mode=False, **kwargs)
-        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        self.outputs_queue: queue.Queue[_QueueItem] = queue.Queue()
+        # request id → engine index of each request sent and not yet finished or aborted.
+        self._in_flight: dict[str, int] = {}
+        self._recheck_due = threading.Event()  # set by the output thread
         self.output_socket.setsockopt(zmq.RCVTIMEO, _OUTPUT_THREAD_POLL_MS)
         thread = threading.Thread(
             target=_process_outputs_thread,
@@ -64,6 +82,7 @@ class SyncMPClient(MPClient):
                 self.outputs_queue,
                 self.utility_results,
                 self.utility_engines,
+                self._recheck_due,
             ),
             name="EngineCoreOutputThread",
             daemon=True,
@@ -75,23 +94,40 @@ class SyncMPClient(MPClient):
         """The next outputs of any attached engine.
 
         Raises:
-            EngineDeadError: an engine died (engine_index says which; None: all, or closed).
+            EngineDeadError: an engine died (engine_index says which; None: all, or closed), or
+                let this client go, losing the requests it had there.
             queue.Empty: nothing arrived within `timeout`.
         """
-        outputs = self.outputs_queue.get(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            outputs = self.outputs_queue.get(timeout=wait_s)
+            if not isinstance(outputs, _RecheckDue):
+                break
+            self._recheck_attached()
         if isinstance(outputs, Exception):
             if self.resources.is_output_done:
                 self.outputs_queue.put(outputs)  # terminal: every later call fails too
             raise format_exception(outputs)
+        self._note_finished(outputs)
         return outputs
+
+    def _note_finished(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            if output.finished:
+                self._in_flight.pop(output.request_id, None)
 
     def add_request(self, request: EngineCoreRequest, engine_index: int | None = None) -> None:
         request.client_index = self.client_index
-        self._send_input(EngineCoreRequestType.ADD, request, self._engine(engine_index))
+        engine = self._engine(engine_index)
+        self._send_input(EngineCoreRequestType.ADD, request, engine)
+        self._in_flight[request.request_id] = self._engine_index_of[engine]
 
     def abort_requests(self, request_ids: list[str], engine_index: int | None = None) -> None:
         if request_ids:
             self._send_input(EngineCoreRequestType.ABORT, request_ids, self._engine(engine_index))
+            for request_id in request_ids:
+                self._in_flight.pop(request_id, None)
 
     def call_utility(self, method: str, *args: Any, engine_index: int | None = None) -> Any:
         """Calls an allow-listed EngineCore method on one engine and waits for its result.
@@ -111,7 +147,11 @@ class SyncMPClient(MPClient):
             self.utility_results.pop(call_id, None)
             self.utility_engines.pop(call_id, None)
             raise
-        return future.result()
+        while True:  # an engine that let this client go never answers: recheck while waiting
+            try:
+                return future.result(timeout=_OUTPUT_THREAD_POLL_MS / 1000)
+            except TimeoutError:
+                self._recheck_attached()
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.call_utility("collective_rpc", method, args)
@@ -130,9 +170,10 @@ class SyncMPClient(MPClient):
         batch = [self.get_output(timeout)]
         while not self.outputs_queue.empty():
             item = self.outputs_queue.get_nowait()
-            if isinstance(item, Exception):
+            if not isinstance(item, EngineCoreOutputs):
                 self.outputs_queue.put(item)
                 break
+            self._note_finished(item)
             batch.append(item)
         return batch
 
@@ -140,14 +181,8 @@ class SyncMPClient(MPClient):
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None
     ) -> EngineFacts:
         self._connect_engine(endpoint, process)
-        call_id, message = self._hello_message()
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.utility_results[call_id] = future
-        self.utility_engines[call_id] = endpoint.engine_index
-        deadline = time.monotonic() + self._hello_timeout_s
-        send_hello(self.input_socket, endpoint.identity, message, deadline)
         try:
-            facts = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            facts = self._ask_hello(endpoint, self._hello_timeout_s)
         except EngineUtilityError as e:
             self.remove_engine(endpoint.engine_index)
             raise EngineAttachError(
@@ -156,7 +191,68 @@ class SyncMPClient(MPClient):
         self.engine_facts[endpoint.engine_index] = facts
         return facts
 
+    def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
+        """Says HELLO and waits for the answer the output thread hands over.
+
+        Raises:
+            EngineUtilityError: the engine refused.
+            TimeoutError: no answer within `timeout_s`.
+            EngineDeadError, zmq.ZMQError: the engine died, or could not be sent to.
+        """
+        call_id, message = self._hello_message()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.utility_results[call_id] = future
+        self.utility_engines[call_id] = endpoint.engine_index
+        deadline = time.monotonic() + timeout_s
+        try:
+            send_hello(self.input_socket, endpoint.identity, message, deadline)
+            facts: EngineFacts = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            return facts
+        finally:
+            self.utility_results.pop(call_id, None)
+            self.utility_engines.pop(call_id, None)
+
+    def _recheck_attached(self) -> None:
+        """Asks every attached engine whether it still counts this client attached, if the
+        output thread was told to (RECHECK_ATTACHED: see `client.engine_monitor`).
+
+        Runs in the caller's thread, before its next send or while it waits, as the question
+        is a send: a repeated HELLO on the same connection, which an engine that still has
+        this client attached answers under the same attach serial, and one that let it go by
+        attaching it afresh, under a new one. The client is then attached again; the requests
+        and utility calls it had there are lost and fail with `EngineDeadError`.
+        """
+        if not self._recheck_due.is_set():
+            return
+        self._recheck_due.clear()
+        for index, known in list(self.engine_facts.items()):
+            endpoint = self.engines.get(index)
+            if endpoint is None or index in self.resources.dead_engines:
+                continue
+            try:
+                facts = self._ask_hello(endpoint, _RECHECK_TIMEOUT_S)
+            except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError):
+                continue  # dead or deaf: the engine monitor tells of it
+            if facts.attach_serial == known.attach_serial:
+                continue
+            self.engine_facts[index] = facts
+            lost = [request_id for request_id, i in self._in_flight.items() if i == index]
+            for request_id in lost:
+                del self._in_flight[request_id]
+            logger.warning(
+                "engine %d no longer counts this client attached (it attached this client "
+                "afresh); %d requests there are lost",
+                index,
+                len(lost),
+            )
+            error = EngineDeadError("it let this client go", engine_index=index)
+            fail_utility_calls(self.utility_results, self.utility_engines, index, error)
+            if lost:
+                self.outputs_queue.put(error)
+
     def _engine(self, engine_index: int | None) -> EngineIdentity:
+        """The engine to send to (the first when None), after a recheck if one is due."""
+        self._recheck_attached()
         if engine_index is None:
             return self.core_engine
         endpoint = self.engines.get(engine_index)
@@ -190,9 +286,10 @@ def _process_outputs_thread(
     resources: BackgroundResources,
     decoder: MsgpackDecoder,
     output_socket: zmq.Socket,
-    outputs_queue: queue.Queue[EngineCoreOutputs | Exception],
+    outputs_queue: queue.Queue[_QueueItem],
     utility_results: dict[int, AnyFuture],
     utility_engines: dict[int, int],
+    recheck_due: threading.Event,
 ) -> None:
     """SyncMPClient's output loop: the thread twin of the asyncio `process_outputs_socket`."""
     final_error: Exception | None = None
@@ -204,6 +301,9 @@ def _process_outputs_thread(
                 continue
             try:
                 if not resources.validate_alive(frames):
+                    if is_recheck_notice(frames):
+                        recheck_due.set()  # before the wake-up: `get_output` checks it
+                        outputs_queue.put(_RECHECK_DUE)
                     continue
             except EngineDeadError as dead:
                 fail_utility_calls(utility_results, utility_engines, dead.engine_index, dead)

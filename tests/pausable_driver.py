@@ -1,10 +1,12 @@
 """A driver process that tests pause (SIGSTOP) for longer than its engines wait for a client.
 
-Run as `python -m tests.pausable_driver --model PATH` (an `AsyncLLM` with its own engine
-process) or `... --namespace NS --address GCS` (attached to a cluster). It completes four
-requests and prints their results, waits for a line on stdin (`pause_and_resume` stops and
-continues it around that), then sends four requests at a time until all four complete, for at
-most 30 s, printing each round, and exits 0. A round that hangs fails it after 10 s.
+Run as `python -m tests.pausable_driver --model PATH [--sync]` (an `AsyncLLM`, or with
+`--sync` an `LLM(multiprocess=True)`, with its own engine process) or `... --namespace NS
+--address GCS` (an `AsyncLLM` attached to a cluster). It completes four requests and prints
+their results, waits for a line on stdin (`pause_and_resume` stops and continues it around
+that), then sends four requests at a time until all four complete, for at most 30 s, printing
+each round, and exits 0. An asyncio round that hangs fails it after 10 s; a blocking one is
+ended by `pause_and_resume`'s limit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from client import AsyncLLM, SamplingParams
+from client import LLM, AsyncLLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_OK = "['ok', 'ok', 'ok', 'ok']"
@@ -26,10 +28,12 @@ ALL_OK = "['ok', 'ok', 'ok', 'ok']"
 PAUSE_S = 8.0
 
 
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
 async def _one(llm: AsyncLLM, prompt: str) -> str:
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        async for _ in llm.generate(prompt, params):
+        async for _ in llm.generate(prompt, PARAMS):
             pass
         return "ok"
     except Exception as e:
@@ -56,6 +60,28 @@ async def _main(args: argparse.Namespace) -> None:
             break
         await asyncio.sleep(0.5)
     await llm.shutdown()
+
+
+def _sync_main(model: str) -> None:
+    llm = LLM(model, multiprocess=True, max_model_len=256)
+
+    def round_(name: str) -> list[str]:
+        try:
+            outputs = llm.generate([f"{name} {i}" for i in range(4)], PARAMS)
+            return ["ok" if o.error is None else "error" for o in outputs]
+        except Exception as e:
+            return [type(e).__name__] * 4
+
+    print(round_("before"), flush=True)
+    sys.stdin.readline()  # paused and resumed around this
+    started = time.monotonic()
+    while time.monotonic() - started < 30:
+        results = round_("after")
+        print(results, flush=True)
+        if results == ["ok"] * 4:
+            break
+        time.sleep(0.5)
+    llm.shutdown()
 
 
 def pause_and_resume(args: list[str], env: dict[str, str] | None = None) -> str:
@@ -87,6 +113,7 @@ def pause_and_resume(args: list[str], env: dict[str, str] | None = None) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
+    parser.add_argument("--sync", action="store_true")
     parser.add_argument("--namespace")
     parser.add_argument("--address")
     parsed = parser.parse_args()
@@ -94,4 +121,7 @@ if __name__ == "__main__":
         import ray
 
         ray.init(address=parsed.address, log_to_driver=False)
-    asyncio.run(_main(parsed))
+    if parsed.sync:
+        _sync_main(parsed.model)
+    else:
+        asyncio.run(_main(parsed))

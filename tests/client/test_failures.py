@@ -187,6 +187,17 @@ def test_a_driver_paused_past_its_engines_patience_fails_what_it_lost_and_is_ser
     assert "no longer counts this client attached (it attached this client afresh)" in output
 
 
+@pytest.mark.slow
+def test_a_blocking_llm_paused_past_its_engines_patience_is_served_again(
+    engine_checkpoint: str,
+) -> None:
+    # The same through `LLM(multiprocess=True)`: the recheck runs in the caller's thread,
+    # before its next send or while it waits for outputs.
+    output = pause_and_resume(["--model", engine_checkpoint, "--sync"])
+    assert ALL_OK in output, output
+    assert "no longer counts this client attached (it attached this client afresh)" in output
+
+
 def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_use(
     engine_checkpoint: str,
 ) -> None:
