@@ -12,7 +12,7 @@ import asyncio
 import logging
 import uuid
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
@@ -45,6 +45,9 @@ from engine.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# How long a request for an engine that is being attached again waits for it.
+ENGINE_RETURN_WAIT_S = 10.0
+_RETURN_POLL_S = 0.05
 # While a backlog is drained, the consumers get a turn after this many frames: fewer turns
 # cost the output task less per frame, more let outputs pile up unconsumed.
 _MAX_FRAMES_PER_TURN = 4
@@ -312,13 +315,37 @@ class AsyncMPClient(MPClient):
     ) -> None:
         """Sends one request (to `engine`, default the first); outputs come from get_output_async.
 
+        To an engine counted dead that may come back (`resources.may_return`), it is sent once
+        the engine is attached again, if that happens within ENGINE_RETURN_WAIT_S.
+
         Raises:
-            EngineDeadError: the engine is dead or gone.
+            EngineDeadError: the engine is dead or gone (and did not come back in time).
         """
         request.client_index = self.client_index
         engine = engine or self.core_engine
-        await self._send(self._send_input(EngineCoreRequestType.ADD, request, engine), engine)
+        try:
+            sent = self._send_input(EngineCoreRequestType.ADD, request, engine)
+        except EngineDeadError as dead:
+            if not await self._wait_for_return(dead.engine_index):
+                raise
+            sent = self._send_input(EngineCoreRequestType.ADD, request, engine)
+        await self._send(sent, engine)
         self._ensure_output_queue_task()
+
+    async def _wait_for_return(self, engine_index: int | None) -> bool:
+        """Waits up to ENGINE_RETURN_WAIT_S for a dead engine to be attached again.
+
+        Returns:
+            Whether it is attached again (False at once for one that may not come back).
+        """
+        if engine_index is None:
+            return False
+        resources = self.resources
+        is_back = await wait_for_engines(
+            lambda: engine_index not in resources.dead_engines,
+            lambda: resources.may_return(engine_index),
+        )
+        return is_back and engine_index in self.engines
 
     async def abort_requests_async(
         self, request_ids: list[str], engine: EngineIdentity | None = None
@@ -433,8 +460,11 @@ class AsyncMPClient(MPClient):
         # The facts of the attach that ended go: until the answer brings new ones, no stats
         # report can say this client is not attached (`DPAsyncMPClient._is_detached_by`).
         self.engine_facts.pop(engine_index, None)
+        # Counted dead until it answers: a request meanwhile waits (`_wait_for_return`) rather
+        # than go to an engine that may never take it.
+        facts = await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
         self.resources.forget_death(engine_index)
-        return await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
+        return facts
 
     def _on_engine_lost(self, engine_index: int) -> None:
         """Called by the output task for an engine it learned is dead, but not for good.
@@ -562,6 +592,20 @@ class AsyncMPClient(MPClient):
 
 # How long an engine may take to answer a recheck's HELLO.
 _RECHECK_TIMEOUT_S = 5.0
+
+
+async def wait_for_engines(is_ready: Callable[[], bool], may_be: Callable[[], bool]) -> bool:
+    """Polls, for up to ENGINE_RETURN_WAIT_S, until `is_ready()`; gives up once not `may_be()`.
+
+    For requests that arrive while engines are being attached again: a rare path, so a poll.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ENGINE_RETURN_WAIT_S
+    while not is_ready():
+        if not may_be() or loop.time() >= deadline:
+            return False
+        await asyncio.sleep(_RETURN_POLL_S)
+    return True
 
 
 # Between HELLOs to a launched engine that was lost and has not answered yet.

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from client.async_mp_client import AsyncMPClient
+from client.async_mp_client import AsyncMPClient, wait_for_engines
 from client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
 from engine.errors import EngineDeadError, RequestError
 from engine.protocol import (
@@ -221,10 +221,20 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                     f"data_parallel_rank {pinned} is not serving (serving: {self.lb_engines})"
                 )
             return pinned
-        routable = [r for r in self.lb_engines if r not in self.resources.dead_engines]
+        routable = self._routable_ranks()
         if not routable:
             raise EngineDeadError("no engine rank is serving")
         return self.policy.choose(routable)
+
+    async def _wait_for_a_rank(self) -> bool:
+        """Waits (`wait_for_engines`) for a routable rank, if ranks may come back."""
+        resources = self.resources
+        return await wait_for_engines(
+            lambda: bool(self._routable_ranks()), lambda: resources.engines_can_return
+        )
+
+    def _routable_ranks(self) -> list[int]:
+        return [r for r in self.lb_engines if r not in self.resources.dead_engines]
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank serving an in-flight request of this client."""
@@ -233,7 +243,13 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     async def add_request_async(
         self, request: EngineCoreRequest, engine: bytes | None = None
     ) -> None:
-        rank = self.get_core_engine_for_request(request)
+        try:
+            rank = self.get_core_engine_for_request(request)
+        except EngineDeadError:
+            # Every rank is down here; wait for one a cluster link is attaching again.
+            if not await self._wait_for_a_rank():
+                raise
+            rank = self.get_core_engine_for_request(request)
         self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids))
         try:
             await super().add_request_async(request, self.engines[rank].identity)
@@ -282,7 +298,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         Raises:
             EngineDeadError: no rank is serving.
         """
-        ranks = [r for r in self.lb_engines if r not in self.resources.dead_engines]
+        ranks = self._routable_ranks()
         if not ranks:
             raise EngineDeadError("no engine rank is serving")
         results = await asyncio.gather(

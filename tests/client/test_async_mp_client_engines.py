@@ -166,6 +166,13 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
             assert info.value.engine_index == 0
             assert client.lb_engines == [] and client.resources.dead_engines == {0}
 
+            # A request now waits for a rank to come back, rather than fail at once.
+            waiting = asyncio.ensure_future(
+                client.add_request_async(request("waiting", max_tokens=2))
+            )
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+
             # Attaching again: a report from before the engine answers cannot undo it.
             client._on_stats_snapshot(report(serial + 1, [3]))  # while counted dead: ignored
             reattach = asyncio.ensure_future(client.reattach_engine_async(0))
@@ -176,6 +183,8 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
             assert client.lb_engines == [0] and not client.resources.dead_engines
             client._on_stats_snapshot(report(facts.attach_serial, [7]))
             assert client.lb_engines == [0]
+            await asyncio.wait_for(waiting, TIMEOUT_S)
+            assert (await collect(client, {"waiting"}))["waiting"][-1].finished
         finally:
             client.shutdown()
 
