@@ -81,10 +81,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("split long prompts across steps")
     )
+    step_timeout_s: float = field(
+        default=300.0,
+        metadata=_help(
+            "a step that runs longer (a hung kernel or collective) ends the engine, which its "
+            "host restarts; 0: no limit"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.step_timeout_s < 0:
+            raise ValueError("step_timeout_s must be positive, or 0 for no limit")
 
 
 @dataclass(frozen=True)

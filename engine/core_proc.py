@@ -39,6 +39,7 @@ from engine.protocol import (
     UtilityResult,
 )
 from engine.serial import tag_structs
+from engine.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ STATS_MIN_INTERVAL_S = 0.05
 STATS_MAX_INTERVAL_S = 1.0
 # Idle busy loop: how long to block on the input queue when nothing else is due.
 _IDLE_WAIT_S = 1.0
+# The exit status of an engine process ended by its step watchdog.
+STEP_TIMEOUT_EXIT_CODE = 70
 
 
 class EngineCoreProc:
@@ -127,6 +130,10 @@ class EngineCoreProc:
         self._is_shutdown_requested = False
         self._is_running = False
         self._is_closed = False
+        step_timeout_s = config.scheduler.step_timeout_s
+        self._watchdog = (
+            StepWatchdog(step_timeout_s, self._on_step_timeout) if step_timeout_s > 0 else None
+        )
         self._input_thread.start()
         self._output_thread.start()
 
@@ -159,7 +166,7 @@ class EngineCoreProc:
         """Serves until `shutdown()`; blocks the calling thread.
 
         Each turn: (1) drain the input queue, blocking briefly when idle; (2) if there is work,
-        run one engine step; (3) send each client's outputs (from this thread when the output
+        run one engine step, watched by the step watchdog; (3) send each client's outputs (from this thread when the output
         thread is idle, else through it); (4) report stats when due. On a fatal error every
         attached client is told ENGINE_CORE_DEAD.
 
@@ -170,11 +177,19 @@ class EngineCoreProc:
             if self._is_closed:
                 raise RuntimeError("this EngineCoreProc was shut down")
             self._is_running = True
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.start()
         try:
             while not self._is_shutdown_requested:
                 self._process_input_queue()  # (1)
                 if self.engine_core.has_unfinished_requests():
-                    self._queue_outputs(self.engine_core.step())  # (2), (3)
+                    if watchdog is not None:
+                        watchdog.step_started()
+                    outputs = self.engine_core.step()
+                    if watchdog is not None:
+                        watchdog.step_finished()
+                    self._queue_outputs(outputs)  # (2), (3)
                     self._is_stats_dirty = True
                 if self._is_stats_enabled:
                     self._maybe_report_stats()  # (4)
@@ -289,11 +304,27 @@ class EngineCoreProc:
         else:
             self._close()
 
+    def _on_step_timeout(self, running_s: float) -> None:
+        """The watchdog's verdict on a step that never returned: tell the clients, then end the
+        process, the only way to stop the stuck thread; its host restarts the engine."""
+        logger.error(
+            "engine %d: a step has run for %.1f s (step_timeout_s=%s); ending the process",
+            self.engine_index,
+            running_s,
+            self.engine_core.config.scheduler.step_timeout_s,
+        )
+        self._output_thread.submit((Op.DEAD,))
+        self._output_thread.join(timeout=2)
+        logging.shutdown()
+        os._exit(STEP_TIMEOUT_EXIT_CODE)
+
     def _close(self) -> None:
         with self._lock:
             if self._is_closed:
                 return
             self._is_closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._input_thread.stop()
         self._input_thread.join(timeout=5)
         # Clients attached after the loop's last turn still get their PUSH and the notice.
