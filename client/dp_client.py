@@ -21,7 +21,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from client.async_mp_client import AsyncMPClient, wait_for_engines
+from client.async_engine_set import wait_for_engines
+from client.async_mp_client import AsyncMPClient
 from client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
 from engine.errors import EngineDeadError, RequestError
 from engine.protocol import (

@@ -1,0 +1,322 @@
+"""The engine set of an asyncio client while it serves: attach, attach again, recheck.
+
+`AsyncEngineSetMixin` is the half of `AsyncMPClient` that changes which engines it talks to
+without blocking the event loop: HELLO answers come back through the output task. An engine
+counted dead is attached again by whoever may (a cluster link, or the client itself for an
+engine it launched); on the engine monitor's RECHECK_ATTACHED the client asks every engine
+whether it still counts it attached; a request for an engine being attached again waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from client.mp_client import (
+    HELLO_RESEND_S,
+    EngineAttachError,
+    EngineIdentity,
+    EngineUtilityError,
+    MPClient,
+    send_hello,
+)
+from engine.errors import EngineDeadError
+from engine.protocol import EngineCoreOutputs, EngineEndpoint, EngineFacts
+
+logger = logging.getLogger(__name__)
+
+# How long a request for an engine that is being attached again waits for it.
+ENGINE_RETURN_WAIT_S = 10.0
+_RETURN_POLL_S = 0.05
+
+
+class AsyncEngineSetMixin(MPClient):
+    """Run-time engine-set changes of `AsyncMPClient` (see the module docstring)."""
+
+    outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception]  # set by AsyncMPClient
+    # The running recheck, and whether another was asked for while it ran.
+    _recheck_task: asyncio.Task[None] | None = None
+    _is_recheck_due = False
+
+    def _ensure_output_queue_task(self) -> None:
+        raise NotImplementedError  # AsyncMPClient's: HELLO answers come through its task
+
+    def add_engine(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        """Blocking attach; only before the output task runs (then use `add_engine_async`)."""
+        if self.resources.output_queue_task is not None:
+            raise RuntimeError("the output task is running: use `await add_engine_async(...)`")
+        return super().add_engine(endpoint, process)
+
+    def remove_engine(self, engine_index: int) -> None:
+        """Detaches an engine; if its death was not reported yet, the consumer now learns it.
+
+        Requests still on that engine will get no more outputs, so an `EngineDeadError` for
+        it is queued exactly as if the engine had died.
+        """
+        was_reported = engine_index in self.resources.dead_engines
+        super().remove_engine(engine_index)
+        if not was_reported:
+            self.outputs_queue.put_nowait(
+                EngineDeadError("it was removed from this client", engine_index=engine_index)
+            )
+
+    async def add_engine_async(
+        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
+    ) -> EngineFacts:
+        """Attaches one more engine while serving; its HELLO answer arrives through the task.
+
+        Raises:
+            ValueError: an engine with this index is already attached.
+            EngineAttachError: the engine refused this client.
+            EngineDeadError, TimeoutError: it died or did not answer in time.
+        """
+        self._ensure_output_queue_task()
+        await asyncio.sleep(self._reconnect_wait_s(endpoint.identity))
+        self._connect_engine(endpoint, process)
+        return await self._hello_async(endpoint)
+
+    async def reattach_engine_async(
+        self, engine_index: int, *, detach_on_failure: bool = True
+    ) -> EngineFacts:
+        """Says HELLO again to an engine this client counted dead, whose process lives on.
+
+        For a connection that failed on this client's side (its heartbeats timed out while the
+        engine was paused, say): ZMQ connects the socket again by itself, and the engine, given
+        a HELLO from this client's output address on a new connection, drops the old one with
+        its requests (this client has already failed them). The engine keeps its identity, so
+        the socket is not disconnected and connected again: libzmq refuses a routing id that a
+        closing connection still holds (libzmq#1572).
+
+        Only for an engine that may come back (`resources.may_return`): one of a client whose
+        engines a cluster link re-attaches, or one this client launched whose process lives
+        (this client does that itself: `_on_engine_lost`). Otherwise the death of its last
+        engine has ended the output task.
+
+        Args:
+            detach_on_failure: whether an engine that refuses or does not answer is removed
+                from this client (else it stays, counted dead, to be asked again).
+
+        Raises:
+            ValueError: the engine is not attached, or not counted dead, or may not come back.
+            EngineAttachError, EngineDeadError, TimeoutError: as for `add_engine_async`.
+        """
+        endpoint = self.engines.get(engine_index)
+        if endpoint is None or engine_index not in self.resources.dead_engines:
+            raise ValueError(f"engine {engine_index} is not an attached engine counted dead")
+        if not self.resources.may_return(engine_index):
+            raise ValueError(f"engine {engine_index} may not come back to this client")
+        self._ensure_output_queue_task()
+        assert self.resources.engine_monitor is not None
+        self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        # The facts of the attach that ended go: until the answer brings new ones, no stats
+        # report can say this client is not attached (`DPAsyncMPClient._is_detached_by`).
+        self.engine_facts.pop(engine_index, None)
+        # Counted dead until it answers: a request meanwhile waits (`_wait_for_return`) rather
+        # than go to an engine that may never take it.
+        facts = await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
+        self.resources.forget_death(engine_index)
+        return facts
+
+    def _on_engine_lost(self, engine_index: int) -> None:
+        """Called by the output task for an engine it learned is dead, but not for good.
+
+        An engine this client launched, lost while its process lives (it let this client go
+        while the client was paused past its heartbeat timeout, say), is attached again in a
+        side task. Subclasses add what a loss means to them.
+        """
+        resources = self.resources
+        if resources.engines_can_return or not resources.may_return(engine_index):
+            return  # whoever set engines_can_return attaches them again
+        task = asyncio.create_task(
+            _reattach_while_alive(weakref.ref(self), engine_index), name=f"Reattach{engine_index}"
+        )
+        resources.side_tasks.add(task)
+        task.add_done_callback(resources.side_tasks.discard)
+
+    async def _hello_async(
+        self, endpoint: EngineEndpoint, *, detach_on_failure: bool = True
+    ) -> EngineFacts:
+        """HELLO on the connected input socket until answered; a failure detaches the engine,
+        or with `detach_on_failure=False` leaves it counted dead."""
+        engine_index = endpoint.engine_index
+        try:
+            facts = await self._ask_hello(endpoint, self._hello_timeout_s)
+        except EngineUtilityError as e:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise EngineAttachError(f"engine {engine_index} refused this client: {e}") from None
+        except TimeoutError:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise TimeoutError(f"engine {engine_index} did not answer HELLO in time") from None
+        except zmq.ZMQError:
+            self._on_hello_failed(engine_index, detach_on_failure)
+            raise
+        self.engine_facts[engine_index] = facts
+        return facts
+
+    async def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
+        """Says HELLO, again every HELLO_RESEND_S (as `_attach_blocking` does), until answered.
+
+        Raises:
+            EngineUtilityError: the engine refused.
+            TimeoutError: no answer within `timeout_s`.
+            EngineDeadError, zmq.ZMQError: the engine died, or could not be sent to.
+        """
+        call_id, message = self._hello_message()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.utility_results[call_id] = future
+        self.utility_engines[call_id] = endpoint.engine_index
+        deadline = loop.time() + timeout_s
+        router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
+        try:
+            await _send_hello_async(router, endpoint.identity, message, deadline)
+            while True:
+                wait_s = min(HELLO_RESEND_S, max(0.0, deadline - loop.time()))
+                try:
+                    facts: EngineFacts = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                    return facts
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                logger.warning(
+                    "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
+                )
+                await _send_hello_async(router, endpoint.identity, message, deadline)
+        finally:
+            self.utility_results.pop(call_id, None)
+            self.utility_engines.pop(call_id, None)
+
+    def _on_hello_failed(self, engine_index: int, detach: bool) -> None:
+        if detach:
+            self.remove_engine(engine_index)
+        else:
+            self.resources.dead_engines.add(engine_index)  # sends to it fail at once again
+
+    def _recheck_attached(self) -> None:
+        """Asks, in a side task, whether every attached engine still counts this client attached
+        (on the monitor's RECHECK_ATTACHED: one may have let this client go without a word).
+
+        The question is a repeated HELLO on the same connection: an engine that still has this
+        client attached answers it with the same attach serial; one that let it go attaches it
+        afresh, under a new serial. The requests this client had there are gone, so such an
+        engine counts as lost (`EngineMonitor.declare_lost`): they fail, and it is attached
+        again as any lost engine is. An engine that does not answer is left to the monitor.
+        """
+        if self._recheck_task is not None and not self._recheck_task.done():
+            self._is_recheck_due = True  # asked again while asking: once more after
+            return
+        task = asyncio.create_task(self._recheck_attached_async(), name="RecheckAttached")
+        self._recheck_task = task
+        self.resources.side_tasks.add(task)
+        task.add_done_callback(self.resources.side_tasks.discard)
+
+    async def _recheck_attached_async(self) -> None:
+        self._is_recheck_due = True
+        while self._is_recheck_due:
+            self._is_recheck_due = False
+            known = {
+                index: facts
+                for index, facts in self.engine_facts.items()
+                if index in self.engines and index not in self.resources.dead_engines
+            }
+            answers = await asyncio.gather(
+                *(self._ask_hello(self.engines[i], _RECHECK_TIMEOUT_S) for i in known),
+                return_exceptions=True,
+            )
+            for (index, facts), answer in zip(known.items(), answers, strict=True):
+                if isinstance(answer, BaseException):
+                    continue  # dead, hung or removed: the monitor or a removal tells of it
+                if answer.attach_serial != facts.attach_serial:
+                    self._on_let_go(index, "it attached this client afresh")
+
+    def _on_let_go(self, engine_index: int, evidence: str) -> None:
+        """An engine let this client go (it took it for dead): the requests there are lost, so
+        it counts as lost (once), and is attached again as any lost engine is."""
+        assert self.resources.engine_monitor is not None
+        if self.resources.engine_monitor.declare_lost(engine_index):
+            logger.warning(
+                "engine %d no longer counts this client attached (%s); its requests there are lost",
+                engine_index,
+                evidence,
+            )
+
+    async def _wait_for_return(self, engine_index: int | None) -> bool:
+        """Waits up to ENGINE_RETURN_WAIT_S for a dead engine to be attached again.
+
+        Returns:
+            Whether it is attached again (False at once for one that may not come back).
+        """
+        if engine_index is None:
+            return False
+        resources = self.resources
+        is_back = await wait_for_engines(
+            lambda: engine_index not in resources.dead_engines,
+            lambda: resources.may_return(engine_index),
+        )
+        return is_back and engine_index in self.engines
+
+
+# How long an engine may take to answer a recheck's HELLO.
+_RECHECK_TIMEOUT_S = 5.0
+
+
+async def wait_for_engines(is_ready: Callable[[], bool], may_be: Callable[[], bool]) -> bool:
+    """Polls, for up to ENGINE_RETURN_WAIT_S, until `is_ready()`; gives up once not `may_be()`.
+
+    For requests that arrive while engines are being attached again: a rare path, so a poll.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ENGINE_RETURN_WAIT_S
+    while not is_ready():
+        if not may_be() or loop.time() >= deadline:
+            return False
+        await asyncio.sleep(_RETURN_POLL_S)
+    return True
+
+
+# Between HELLOs to a launched engine that was lost and has not answered yet.
+_REATTACH_RETRY_S = 1.0
+
+
+async def _reattach_while_alive(
+    client_ref: weakref.ReferenceType[AsyncEngineSetMixin], engine_index: int
+) -> None:
+    """HELLO to a launched engine the client lost, until it answers or its process exits.
+
+    Holds the client only weakly between tries, so a dropped client is still collected.
+    """
+    while (client := client_ref()) is not None:
+        resources = client.resources
+        if engine_index not in resources.dead_engines or not resources.may_return(engine_index):
+            return
+        try:
+            await client.reattach_engine_async(engine_index, detach_on_failure=False)
+            logger.info("engine %d is attached again", engine_index)
+            return
+        except (EngineAttachError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
+            logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
+        del client, resources
+        await asyncio.sleep(_REATTACH_RETRY_S)
+
+
+async def _send_hello_async(
+    router: zmq.Socket, identity: EngineIdentity, message: tuple[Any, ...], deadline: float
+) -> None:
+    """Sends HELLO without blocking the loop, retrying while the connection is being set up."""
+    loop = asyncio.get_running_loop()
+    while True:  # connection setup, not the data path
+        try:
+            send_hello(router, identity, message, deadline=0.0)
+            return
+        except zmq.ZMQError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.005)
