@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,33 +52,42 @@ async def _drain_until_dead(client: AsyncMPClient) -> None:
         await client.get_output_async()
 
 
+@pytest.fixture
+def launched(engine_checkpoint: str) -> Iterator[tuple[AsyncMPClient, int]]:
+    """A client with an engine process of its own (engine 0), and that process's pid."""
+    client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
+    pid = client.resources.processes[0].pid
+    assert pid is not None
+    yield client, pid
+    client.shutdown()
+
+
+async def _first_output(client: AsyncMPClient, request_id: str, max_tokens: int) -> None:
+    await client.add_request_async(request(request_id, max_tokens=max_tokens))
+    await asyncio.wait_for(client.get_output_async(), 10)
+
+
 @pytest.mark.slow
 async def test_killed_engine_fails_every_pending_consumer_within_two_seconds(
-    engine_checkpoint: str,
+    launched: tuple[AsyncMPClient, int],
 ) -> None:
-    client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
-    process = client.resources.processes[0]
-    try:
-        await client.add_request_async(request("streaming", max_tokens=200))
-        await asyncio.wait_for(client.get_output_async(), 10)
-        assert process.pid is not None
-        os.kill(process.pid, signal.SIGSTOP)  # frozen: the utility call below stays pending
-        pending_call = asyncio.ensure_future(client.call_utility_async("get_stats"))
-        consumers = [asyncio.ensure_future(_drain_until_dead(client)) for _ in range(3)]
-        await asyncio.sleep(0.2)
-        assert not pending_call.done()
-        # The pending call: an asyncio future, under a call id from uuid1's high 64 bits.
-        [(call_id, future)] = client.utility_results.items()
-        assert isinstance(future, asyncio.Future) and 0 <= call_id < 2**64
-        killed_at = time.monotonic()
-        os.kill(process.pid, signal.SIGKILL)
-        errors = [await _raises_dead(f) for f in (pending_call, *consumers)]
-        assert time.monotonic() - killed_at < DETECTION_LIMIT_S
-        assert all(e.engine_index == 0 for e in errors)
-        with pytest.raises(EngineDeadError):
-            await client.add_request_async(request("after-death", max_tokens=2))
-    finally:
-        client.shutdown()
+    client, pid = launched
+    await _first_output(client, "streaming", max_tokens=200)
+    os.kill(pid, signal.SIGSTOP)  # frozen: the utility call below stays pending
+    pending_call = asyncio.ensure_future(client.call_utility_async("get_stats"))
+    consumers = [asyncio.ensure_future(_drain_until_dead(client)) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    assert not pending_call.done()
+    # The pending call: an asyncio future, under a call id from uuid1's high 64 bits.
+    [(call_id, future)] = client.utility_results.items()
+    assert isinstance(future, asyncio.Future) and 0 <= call_id < 2**64
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    errors = [await _raises_dead(f) for f in (pending_call, *consumers)]
+    assert time.monotonic() - killed_at < DETECTION_LIMIT_S
+    assert all(e.engine_index == 0 for e in errors)
+    with pytest.raises(EngineDeadError):
+        await client.add_request_async(request("after-death", max_tokens=2))
 
 
 @pytest.mark.slow
@@ -139,42 +148,34 @@ async def test_a_paused_engine_counts_as_dead_and_is_attached_again_once_it_answ
 
 @pytest.mark.slow
 async def test_a_launched_engine_is_attached_again_while_it_lives_and_ends_the_client_once_gone(
-    engine_checkpoint: str,
+    launched: tuple[AsyncMPClient, int],
 ) -> None:
-    client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
-    process = client.resources.processes[0]
-    assert process.pid is not None
+    client, pid = launched
+    await _first_output(client, "paused", max_tokens=400)
+    os.kill(pid, signal.SIGSTOP)  # its heartbeats stop: lost, but not for good
     try:
-        await client.add_request_async(request("paused", max_tokens=400))
-        await asyncio.wait_for(client.get_output_async(), 10)
-        os.kill(process.pid, signal.SIGSTOP)  # its heartbeats stop: lost, but not for good
-        try:
-            error = await _raises_dead(_drain_until_dead(client))
-            assert error.engine_index == 0 and not client.resources.is_terminal(error)
-            # A request waits for the engine to be attached again, rather than fail at once.
-            waiting = asyncio.ensure_future(
-                client.add_request_async(request("resumed", max_tokens=3))
-            )
-            await asyncio.sleep(0.3)
-            assert not waiting.done()
-        finally:
-            os.kill(process.pid, signal.SIGCONT)
-        await asyncio.wait_for(waiting, 15)  # the client says HELLO again by itself
-        assert 0 not in client.resources.dead_engines
-        finished: list[str] = []
-        while "resumed" not in finished:  # the given-up request's last outputs may come first
-            outputs = await asyncio.wait_for(client.get_output_async(), 10)
-            finished += [o.request_id for o in outputs.outputs if o.finished]
-        # Lost again, then its process exits: that death is final, and told as such.
-        os.kill(process.pid, signal.SIGSTOP)
         error = await _raises_dead(_drain_until_dead(client))
-        assert not client.resources.is_terminal(error)
-        os.kill(process.pid, signal.SIGKILL)
-        error = await _raises_dead(_drain_until_dead(client))
-        assert error.engine_index == 0 and client.resources.is_terminal(error)
-        assert client.resources.output_queue_task.done()
+        assert error.engine_index == 0 and not client.resources.is_terminal(error)
+        # A request waits for the engine to be attached again, rather than fail at once.
+        waiting = asyncio.ensure_future(client.add_request_async(request("resumed", max_tokens=3)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
     finally:
-        client.shutdown()
+        os.kill(pid, signal.SIGCONT)
+    await asyncio.wait_for(waiting, 15)  # the client says HELLO again by itself
+    assert 0 not in client.resources.dead_engines
+    finished: list[str] = []
+    while "resumed" not in finished:  # the given-up request's last outputs may come first
+        outputs = await asyncio.wait_for(client.get_output_async(), 10)
+        finished += [o.request_id for o in outputs.outputs if o.finished]
+    # Lost again, then its process exits: that death is final, and told as such.
+    os.kill(pid, signal.SIGSTOP)
+    error = await _raises_dead(_drain_until_dead(client))
+    assert not client.resources.is_terminal(error)
+    os.kill(pid, signal.SIGKILL)
+    error = await _raises_dead(_drain_until_dead(client))
+    assert error.engine_index == 0 and client.resources.is_terminal(error)
+    assert client.resources.output_queue_task.done()
 
 
 @pytest.mark.slow
