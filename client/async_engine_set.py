@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from client.mp_client import (
+    ENGINE_RETURN_WAIT_S,
     HELLO_RESEND_S,
     EngineAttachError,
     EngineIdentity,
@@ -31,8 +32,6 @@ from engine.protocol import EngineCoreOutputs, EngineEndpoint, EngineFacts
 
 logger = logging.getLogger(__name__)
 
-# How long a request for an engine that is being attached again waits for it.
-ENGINE_RETURN_WAIT_S = 10.0
 _RETURN_POLL_S = 0.05
 
 

@@ -20,6 +20,7 @@ import zmq
 
 from client.engine_monitor import is_recheck_notice
 from client.mp_client import (
+    ENGINE_RETURN_WAIT_S,
     AnyFuture,
     BackgroundResources,
     EngineAttachError,
@@ -68,6 +69,7 @@ class SyncMPClient(MPClient):
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
         super().__init__(endpoints, asyncio_mode=False, **kwargs)
+        self.resources.reattaches_launched_engines = True  # `_reattach_if_alive`
         self.outputs_queue: queue.Queue[_QueueItem] = queue.Queue()
         # request id → engine index of each request sent and not yet finished or aborted.
         self._in_flight: dict[str, int] = {}
@@ -251,14 +253,39 @@ class SyncMPClient(MPClient):
                 self.outputs_queue.put(error)
 
     def _engine(self, engine_index: int | None) -> EngineIdentity:
-        """The engine to send to (the first when None), after a recheck if one is due."""
+        """The engine to send to (the first when None), after a recheck if one is due, and
+        attached again first if this client launched it and lost it while it lives."""
         self._recheck_attached()
         if engine_index is None:
-            return self.core_engine
-        endpoint = self.engines.get(engine_index)
-        if endpoint is None:
-            raise EngineDeadError("it is not attached", engine_index=engine_index)
-        return endpoint.identity
+            engine = self.core_engine
+            engine_index = self._engine_index_of[engine]
+        else:
+            endpoint = self.engines.get(engine_index)
+            if endpoint is None:
+                raise EngineDeadError("it is not attached", engine_index=engine_index)
+            engine = endpoint.identity
+        if engine_index in self.resources.dead_engines:
+            self._reattach_if_alive(engine_index)
+        return engine
+
+    def _reattach_if_alive(self, engine_index: int) -> None:
+        """Says HELLO again to an engine this client launched and lost (its heartbeats timed out
+        while it was stalled, say) whose process lives, waiting up to ENGINE_RETURN_WAIT_S for
+        the answer; without one it stays counted dead. The engine replaces the old connection
+        and drops its requests, which this client has already failed."""
+        if not self.resources.may_return(engine_index):
+            return
+        endpoint = self.engines[engine_index]
+        assert self.resources.engine_monitor is not None
+        self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        try:
+            facts = self._ask_hello(endpoint, ENGINE_RETURN_WAIT_S)
+        except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
+            logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
+            return
+        self.engine_facts[engine_index] = facts
+        self.resources.forget_death(engine_index)
+        logger.info("engine %d is attached again", engine_index)
 
     def _send_input(
         self, request_type: EngineCoreRequestType, request: Any, engine: EngineIdentity

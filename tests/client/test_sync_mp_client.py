@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
 import queue
+import signal
 import weakref
 
 import pytest
@@ -148,3 +150,38 @@ def test_make_local_launches_the_engine_process_and_close_stops_it(engine_checkp
         client.shutdown()
     assert not process.is_alive()
     assert process.exitcode == 0  # SIGTERM is a clean exit
+
+
+def _until_dead(client: SyncMPClient) -> EngineDeadError:
+    with pytest.raises(EngineDeadError) as info:
+        while True:
+            client.get_output(timeout=10)
+    return info.value
+
+
+@pytest.mark.slow
+def test_a_launched_engine_that_stalled_is_attached_again_at_the_next_call_until_it_is_gone(
+    engine_checkpoint: str,
+) -> None:
+    client = SyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
+    pid = client.resources.processes[0].pid
+    assert pid is not None
+    try:
+        client.add_request(request("stalled", max_tokens=400))
+        client.get_output(timeout=10)
+        os.kill(pid, signal.SIGSTOP)  # its heartbeats stop: lost, but not for good
+        try:
+            assert _until_dead(client).engine_index == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        client.add_request(request("resumed", max_tokens=3))  # says HELLO again first
+        finished: list[str] = []
+        while "resumed" not in finished:  # the given-up request's last outputs may come first
+            finished += [o.request_id for o in client.get_output(timeout=10).outputs if o.finished]
+        os.kill(pid, signal.SIGKILL)  # gone for good: told once more, and final
+        assert _until_dead(client).engine_index == 0
+        assert client.resources.is_output_done
+        with pytest.raises(EngineDeadError):
+            client.add_request(request("after", max_tokens=2))
+    finally:
+        client.shutdown()
