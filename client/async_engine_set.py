@@ -21,6 +21,7 @@ import zmq
 from client.mp_client import (
     ENGINE_RETURN_WAIT_S,
     HELLO_RESEND_S,
+    RECHECK_TIMEOUT_S,
     EngineAttachError,
     EngineIdentity,
     EngineUtilityError,
@@ -195,9 +196,7 @@ class AsyncEngineSetMixin(MPClient):
 
     def _on_hello_failed(self, engine_index: int, detach: bool) -> None:
         if detach:
-            self.remove_engine(engine_index)
-        else:
-            self.resources.dead_engines.add(engine_index)  # sends to it fail at once again
+            self.remove_engine(engine_index)  # else it stays counted dead, to be asked again
 
     def _recheck_attached(self) -> None:
         """Asks, in a side task, whether every attached engine still counts this client attached
@@ -227,7 +226,7 @@ class AsyncEngineSetMixin(MPClient):
                 if index in self.engines and index not in self.resources.dead_engines
             }
             answers = await asyncio.gather(
-                *(self._ask_hello(self.engines[i], _RECHECK_TIMEOUT_S) for i in known),
+                *(self._ask_hello(self.engines[i], RECHECK_TIMEOUT_S) for i in known),
                 return_exceptions=True,
             )
             for (index, facts), answer in zip(known.items(), answers, strict=True):
@@ -261,10 +260,6 @@ class AsyncEngineSetMixin(MPClient):
             lambda: resources.may_return(engine_index),
         )
         return is_back and engine_index in self.engines
-
-
-# How long an engine may take to answer a recheck's HELLO.
-_RECHECK_TIMEOUT_S = 5.0
 
 
 async def wait_for_engines(is_ready: Callable[[], bool], may_be: Callable[[], bool]) -> bool:

@@ -54,6 +54,8 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 HELLO_RESEND_S = 2.0
 # How long a request for an engine that is being attached again waits for it.
 ENGINE_RETURN_WAIT_S = 10.0
+# How long an engine may take to answer the HELLO of a recheck (RECHECK_ATTACHED).
+RECHECK_TIMEOUT_S = 5.0
 # How long an engine's identity stays off limits to a new connection after its connection was
 # closed: libzmq aborts the process when a connection takes a routing id that a closing one
 # still holds (libzmq#1572), and a closing connection lingers up to CLOSE_LINGER_MS while it

@@ -21,6 +21,7 @@ import zmq
 from client.engine_monitor import is_recheck_notice
 from client.mp_client import (
     ENGINE_RETURN_WAIT_S,
+    RECHECK_TIMEOUT_S,
     AnyFuture,
     BackgroundResources,
     EngineAttachError,
@@ -49,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 # The output thread wakes this often to notice close(); a blocked utility call, to recheck.
 _OUTPUT_THREAD_POLL_MS = 100
-# How long an engine may take to answer a recheck's HELLO.
-_RECHECK_TIMEOUT_S = 5.0
 
 
 class _RecheckDue:
@@ -232,7 +231,7 @@ class SyncMPClient(MPClient):
             if endpoint is None or index in self.resources.dead_engines:
                 continue
             try:
-                facts = self._ask_hello(endpoint, _RECHECK_TIMEOUT_S)
+                facts = self._ask_hello(endpoint, RECHECK_TIMEOUT_S)
             except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError):
                 continue  # dead or deaf: the engine monitor tells of it
             if facts.attach_serial == known.attach_serial:
