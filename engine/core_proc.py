@@ -51,8 +51,10 @@ STATS_MIN_INTERVAL_S = 0.05
 STATS_MAX_INTERVAL_S = 1.0
 # Idle busy loop: how long to block on the input queue when nothing else is due.
 _IDLE_WAIT_S = 1.0
-# The exit status of an engine process ended by its step watchdog.
+# The exit status of an engine process ended by its step watchdog...
 STEP_TIMEOUT_EXIT_CODE = 70
+# ...after this long for its death notices to leave.
+_DEATH_NOTICE_FLUSH_S = 1.0
 
 
 class EngineCoreProc:
@@ -315,6 +317,9 @@ class EngineCoreProc:
         )
         self._output_thread.submit((Op.DEAD,))
         self._output_thread.join(timeout=2)
+        # The context's IO thread sends the notices in the background, after the output
+        # thread has closed its sockets; an exit now would cut them off.
+        time.sleep(_DEATH_NOTICE_FLUSH_S)
         logging.shutdown()
         os._exit(STEP_TIMEOUT_EXIT_CODE)
 

@@ -360,6 +360,9 @@ def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idl
         with running_engine(
             config, engine_index=3, stats_address=f"tcp://127.0.0.1:{port}"
         ) as served:
+            # Reports are dropped until the stats connection is up: wait for the first one.
+            assert pull.poll(5000)
+            pull.recv()
             peer = RawPeer(served.endpoint)
             peer.hello()
             peer.send_typed(ADD, request("s", max_tokens=60))
