@@ -365,7 +365,7 @@ def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idl
             pull.recv()
             peer = RawPeer(served.endpoint)
             peer.hello()
-            peer.send_typed(ADD, request("s", max_tokens=60))
+            peer.send_typed(ADD, request("s", max_tokens=240))  # runs for several reports
             times: list[float] = []
             reports: list[EngineStatsReport] = []
             deadline = time.monotonic() + 4.0
