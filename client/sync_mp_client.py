@@ -125,10 +125,14 @@ class SyncMPClient(MPClient):
         self._in_flight[request.request_id] = self._engine_index_of[engine]
 
     def abort_requests(self, request_ids: list[str], engine_index: int | None = None) -> None:
-        if request_ids:
-            self._send_input(EngineCoreRequestType.ABORT, request_ids, self._engine(engine_index))
-            for request_id in request_ids:
-                self._in_flight.pop(request_id, None)
+        """Aborts requests on one engine; nothing to do if it is dead (they went with it)."""
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self._in_flight.pop(request_id, None)
+        engine = self._engine(engine_index, reattach=False)
+        if self._engine_index_of[engine] not in self.resources.dead_engines:
+            self._send_input(EngineCoreRequestType.ABORT, request_ids, engine)
 
     def call_utility(self, method: str, *args: Any, engine_index: int | None = None) -> Any:
         """Calls an allow-listed EngineCore method on one engine and waits for its result.
@@ -251,9 +255,10 @@ class SyncMPClient(MPClient):
             if lost:
                 self.outputs_queue.put(error)
 
-    def _engine(self, engine_index: int | None) -> EngineIdentity:
+    def _engine(self, engine_index: int | None, *, reattach: bool = True) -> EngineIdentity:
         """The engine to send to (the first when None), after a recheck if one is due, and
-        attached again first if this client launched it and lost it while it lives."""
+        (with `reattach`) attached again first if this client launched it and lost it while
+        it lives."""
         self._recheck_attached()
         if engine_index is None:
             engine = self.core_engine
@@ -263,7 +268,7 @@ class SyncMPClient(MPClient):
             if endpoint is None:
                 raise EngineDeadError("it is not attached", engine_index=engine_index)
             engine = endpoint.identity
-        if engine_index in self.resources.dead_engines:
+        if reattach and engine_index in self.resources.dead_engines:
             self._reattach_if_alive(engine_index)
         return engine
 
