@@ -220,16 +220,12 @@ class AsyncEngineSetMixin(MPClient):
         self._is_recheck_due = True
         while self._is_recheck_due:
             self._is_recheck_due = False
-            known = {
-                index: facts
-                for index, facts in self.engine_facts.items()
-                if index in self.engines and index not in self.resources.dead_engines
-            }
+            known = self._attaches_to_recheck()
             answers = await asyncio.gather(
-                *(self._ask_hello(self.engines[i], RECHECK_TIMEOUT_S) for i in known),
+                *(self._ask_hello(endpoint, RECHECK_TIMEOUT_S) for endpoint, _ in known.values()),
                 return_exceptions=True,
             )
-            for (index, facts), answer in zip(known.items(), answers, strict=True):
+            for (index, (_, facts)), answer in zip(known.items(), answers, strict=True):
                 if isinstance(answer, BaseException):
                     continue  # dead, hung or removed: the monitor or a removal tells of it
                 if answer.attach_serial != facts.attach_serial:

@@ -340,6 +340,15 @@ class MPClient:
                 continue
             self._on_hello_reply(waiting.pop(utility.call_id)[0], utility)
 
+    def _attaches_to_recheck(self) -> dict[int, tuple[EngineEndpoint, EngineFacts]]:
+        """The live attached engines, each with the facts of this client's attach there: what
+        a recheck (RECHECK_ATTACHED) asks again and compares the attach serial against."""
+        return {
+            index: (self.engines[index], facts)
+            for index, facts in self.engine_facts.items()
+            if index in self.engines and index not in self.resources.dead_engines
+        }
+
     def _check_engine(self, engine: EngineIdentity) -> int:
         """The index of a live attached engine; raises EngineDeadError otherwise."""
         index = self._engine_index_of.get(engine)

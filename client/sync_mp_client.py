@@ -230,10 +230,7 @@ class SyncMPClient(MPClient):
         if not self._recheck_due.is_set():
             return
         self._recheck_due.clear()
-        for index, known in list(self.engine_facts.items()):
-            endpoint = self.engines.get(index)
-            if endpoint is None or index in self.resources.dead_engines:
-                continue
+        for index, (endpoint, known) in self._attaches_to_recheck().items():
             try:
                 facts = self._ask_hello(endpoint, RECHECK_TIMEOUT_S)
             except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError):
