@@ -180,3 +180,12 @@ class RawPeer:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+
+
+def call_utility(peer: RawPeer, call_id: int, method: str, *args: object) -> object:
+    """A utility call that must succeed; returns its result."""
+    peer.send_typed(EngineCoreRequestType.UTILITY, (peer.client_index, call_id, method, args))
+    reply = peer.recv_utility(call_id)
+    assert reply.failure_message is None, reply.failure_message
+    assert reply.result is not None
+    return reply.result.result

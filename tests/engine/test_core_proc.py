@@ -6,7 +6,6 @@ import itertools
 import os
 import queue
 import time
-from typing import Any
 
 import msgspec
 import pytest
@@ -21,7 +20,6 @@ from engine.protocol import (
     EngineCoreRequestType,
     EngineFacts,
     EngineHello,
-    EngineStatsReport,
     FinishReason,
     SchedulerStats,
     UtilityOutput,
@@ -32,6 +30,7 @@ from tests.engine.core_proc_utils import (
     NUM_BLOCKS,
     RawPeer,
     ServedEngine,
+    call_utility,
     request,
     running_engine,
     tiny_config,
@@ -49,14 +48,6 @@ def peer(engine: ServedEngine):
     raw.hello()
     yield raw
     raw.close()
-
-
-def _utility(peer: RawPeer, call_id: int, method: str, *args: object) -> object:
-    peer.send_typed(UTILITY, (peer.client_index, call_id, method, args))
-    reply = peer.recv_utility(call_id)
-    assert reply.failure_message is None, reply.failure_message
-    assert reply.result is not None
-    return reply.result.result
 
 
 def test_hello_answers_with_the_engine_facts(engine: ServedEngine) -> None:
@@ -126,7 +117,7 @@ def test_a_client_back_on_a_new_connection_replaces_its_old_one(
         assert back.recv_utility(hello.call_id).failure_message is None
 
         def old_request_is_gone() -> bool:
-            stats = _utility(back, next(_call_ids), "get_stats")
+            stats = call_utility(back, next(_call_ids), "get_stats")
             return isinstance(stats, SchedulerStats) and stats.num_free_blocks == NUM_BLOCKS
 
         assert wait_until(old_request_is_gone, 5)
@@ -159,7 +150,7 @@ def test_frames_from_a_peer_that_never_said_hello_are_dropped(
     try:
         stranger.send_typed(ADD, request("sneaky", max_tokens=50))
         time.sleep(0.2)
-        stats = _utility(peer, 1, "get_stats")
+        stats = call_utility(peer, 1, "get_stats")
         assert isinstance(stats, SchedulerStats)
         assert stats.num_running_reqs == stats.num_waiting_reqs == 0
         assert stranger.is_silent(0.2)
@@ -168,9 +159,9 @@ def test_frames_from_a_peer_that_never_said_hello_are_dropped(
 
 
 def test_utility_calls_results_failures_and_refusals(peer: RawPeer) -> None:
-    assert _utility(peer, 11, "echo", {"k": [1, 2]}) == {"k": [1, 2]}
-    assert _utility(peer, 12, "reset_prefix_cache") is True
-    assert isinstance(_utility(peer, 13, "get_stats"), SchedulerStats)
+    assert call_utility(peer, 11, "echo", {"k": [1, 2]}) == {"k": [1, 2]}
+    assert call_utility(peer, 12, "reset_prefix_cache") is True
+    assert isinstance(call_utility(peer, 13, "get_stats"), SchedulerStats)
     peer.send_typed(UTILITY, (0, 14, "collective_rpc", ("_private", ())))
     reply = peer.recv().utility_output
     assert reply is not None and reply.call_id == 14
@@ -180,7 +171,7 @@ def test_utility_calls_results_failures_and_refusals(peer: RawPeer) -> None:
     assert reply is not None and reply.call_id == 15
     assert reply.failure_message is not None
     assert "unknown utility method 'shutdown'" in reply.failure_message
-    assert _utility(peer, 17, "echo", 5) == 5  # the engine still serves
+    assert call_utility(peer, 17, "echo", 5) == 5  # the engine still serves
 
 
 def test_unsendable_utility_result_becomes_a_failure() -> None:
@@ -291,18 +282,18 @@ def test_abort_mid_stream_frees_the_blocks(peer: RawPeer) -> None:
     peer.send_typed(ADD, request("long", long_prompt, max_tokens=200))
     first = peer.recv().outputs
     assert first and first[0].request_id == "long" and not first[0].finished
-    busy = _utility(peer, 31, "get_stats")
+    busy = call_utility(peer, 31, "get_stats")
     assert isinstance(busy, SchedulerStats) and busy.num_free_blocks < NUM_BLOCKS
     peer.send_typed(EngineCoreRequestType.ABORT, ["long"])
 
     def is_freed() -> bool:
-        stats = _utility(peer, 32, "get_stats")
+        stats = call_utility(peer, 32, "get_stats")
         return isinstance(stats, SchedulerStats) and stats.num_free_blocks == NUM_BLOCKS
 
     while not peer.is_silent(0.2):  # drain outputs sent before the abort
         peer.recv()
     assert wait_until(is_freed, 3)
-    stats = _utility(peer, 33, "get_stats")
+    stats = call_utility(peer, 33, "get_stats")
     assert isinstance(stats, SchedulerStats)
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0
 
@@ -337,7 +328,7 @@ def test_clients_coming_and_going_never_disturb_the_engine_or_its_other_clients(
     assert sum(len(o.new_token_ids) for o in outputs["steady"]) == 120
     assert not engine.errors and engine.thread.is_alive()
     # Every visitor's request is gone from the engine; a new client is served.
-    assert wait_until(lambda: _utility(peer, 1, "get_stats").num_running_reqs == 0, 10)
+    assert wait_until(lambda: call_utility(peer, 1, "get_stats").num_running_reqs == 0, 10)
     late = RawPeer(engine.endpoint, client_index=200)
     try:
         late.hello()
@@ -345,108 +336,6 @@ def test_clients_coming_and_going_never_disturb_the_engine_or_its_other_clients(
         assert sum(len(o.new_token_ids) for o in late.collect_until_finished({"late"})["late"]) == 3
     finally:
         late.close()
-
-
-@pytest.mark.slow
-def test_stats_are_pushed_while_busy_at_most_every_50ms_and_each_second_when_idle(
-    engine_checkpoint: str,
-) -> None:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    decoder = msgspec.msgpack.Decoder(EngineStatsReport)
-    try:
-        config = tiny_config(engine_checkpoint)
-        with running_engine(
-            config, engine_index=3, stats_address=f"tcp://127.0.0.1:{port}"
-        ) as served:
-            # Reports are dropped until the stats connection is up: wait for the first one.
-            assert pull.poll(5000)
-            pull.recv()
-            peer = RawPeer(served.endpoint)
-            peer.hello()
-            peer.send_typed(ADD, request("s", max_tokens=240))  # runs for several reports
-            times: list[float] = []
-            reports: list[EngineStatsReport] = []
-            deadline = time.monotonic() + 4.0
-            while time.monotonic() < deadline:
-                if pull.poll(100):
-                    reports.append(decoder.decode(pull.recv()))
-                    times.append(time.monotonic())
-            peer.close()
-        assert all(r.engine_index == 3 for r in reports)
-        assert any(r.stats.num_running_reqs == 1 for r in reports)
-        assert reports[-1].stats.num_running_reqs == 0  # the idle state was reported too
-        gaps = [b - a for a, b in itertools.pairwise(times)]
-        assert min(gaps) >= 0.04
-        assert max(gaps) <= 1.3
-        idle_gaps = gaps[-2:]
-        assert all(g >= 0.9 for g in idle_gaps), gaps  # heartbeats only once idle
-    finally:
-        ctx.destroy(linger=0)
-
-
-def test_stats_say_which_clients_are_attached_as_of_which_attach(engine_checkpoint: str) -> None:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    decoder = msgspec.msgpack.Decoder(EngineStatsReport)
-
-    def next_report_with(predicate: Any) -> EngineStatsReport:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if pull.poll(200) and predicate(report := decoder.decode(pull.recv())):
-                return report
-        raise AssertionError("no such report")
-
-    try:
-        config = tiny_config(engine_checkpoint)
-        with running_engine(config, stats_address=f"tcp://127.0.0.1:{port}") as served:
-            first, second = RawPeer(served.endpoint, 0), RawPeer(served.endpoint, 1)
-            serials = []
-            for peer in (first, second):
-                utility = peer.hello().utility_output
-                assert utility is not None and utility.result is not None
-                facts = utility.result.result
-                assert isinstance(facts, EngineFacts)
-                serials.append(facts.attach_serial)
-            assert serials == [1, 2]
-            report = next_report_with(lambda r: r.attaches_seen == 2)
-            assert report.attached_clients == [0, 1]
-            # A client the engine lets go is missing from every later report.
-            second.send(EngineCoreRequestType.GOODBYE.value)
-            report = next_report_with(lambda r: r.attached_clients == [0])
-            assert report.attaches_seen == 2
-            first.close()
-            second.close()
-    finally:
-        ctx.destroy(linger=0)
-
-
-@pytest.mark.slow
-def test_stats_heartbeat_keeps_its_pace_while_utility_calls_arrive(engine_checkpoint: str) -> None:
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        config = tiny_config(engine_checkpoint)
-        with running_engine(config, stats_address=f"tcp://127.0.0.1:{port}") as served:
-            peer = RawPeer(served.endpoint)
-            peer.hello()
-            assert pull.poll(2000)  # the first report
-            pull.recv()
-            num_reports, started, call_id = 0, time.monotonic(), 100
-            while time.monotonic() - started < 2.6:  # busy with calls, load unchanged
-                call_id += 1
-                _utility(peer, call_id, "echo", call_id)
-                while pull.poll(0):
-                    pull.recv()
-                    num_reports += 1
-                time.sleep(0.03)
-            peer.close()
-        assert 2 <= num_reports <= 4
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_fatal_error_tells_every_client_and_ends_the_loop(engine_checkpoint: str) -> None:
