@@ -125,8 +125,10 @@ class ClusterLink:
                         )
                     )
                 lost = asyncio.ensure_future(self._engine_lost.wait())
-                await asyncio.wait((poll, lost), return_when=asyncio.FIRST_COMPLETED)
-                lost.cancel()
+                try:
+                    await asyncio.wait((poll, lost), return_when=asyncio.FIRST_COMPLETED)
+                finally:  # also when `close` cancels the watch here
+                    lost.cancel()
                 self._engine_lost.clear()
                 membership = self.membership
                 if poll.done():

@@ -144,6 +144,22 @@ async def test_two_drivers_only_see_their_own_outputs(
     client.shutdown()
 
 
+async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: ClusterHandle) -> None:
+    """On a loop of its own, in a thread, so only this driver's tasks are looked at."""
+
+    async def drive() -> set[asyncio.Task[Any]]:
+        other = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="brief driver")
+        await _final(other, "brief", _params(3))
+        await asyncio.sleep(0.2)  # the membership watch is waiting by now
+        await other.shutdown()
+        for _ in range(3):  # cancelled tasks finish on the loop's next turns
+            await asyncio.sleep(0)
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    left = await asyncio.wait_for(asyncio.to_thread(lambda: asyncio.run(drive())), 60)
+    assert not left, left
+
+
 async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
