@@ -140,6 +140,30 @@ async def prefill_seconds_per_token(namespace: str, num_tokens: int, repeats: in
         await llm.shutdown()
 
 
+async def warm_up(namespace: str, num_ranks: int, num_tokens: int) -> None:
+    """Runs a long chunked prefill beside short requests on every rank, all ranks at once.
+
+    A rank's first steps of a shape are slower (allocator growth, the CPU kernels' first
+    calls); without this, whichever policy replays first would pay for them.
+    """
+    llm = await AsyncLLM.connect(namespace, host="127.0.0.1", name="bench warm-up")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def one(rank: int, length: int) -> None:
+        prompt = [1 + (rank * 13 + j) % 400 for j in range(length)]
+        request = {"prompt_token_ids": prompt}
+        async for _ in llm.generate(request, params, data_parallel_rank=rank):
+            pass
+
+    try:
+        for _ in range(2):
+            await asyncio.gather(
+                *(one(rank, n) for rank in range(num_ranks) for n in (num_tokens, 8, 40, 120))
+            )
+    finally:
+        await llm.shutdown()
+
+
 def load_trace() -> list[TraceEntry]:
     return [TraceEntry(**e) for e in json.loads(TRACE.read_text())]
 
@@ -242,13 +266,17 @@ def main() -> None:
     )
     results: dict[str, list[Record]] = {name: [] for name in POLICIES}
     try:
+        asyncio.run(warm_up(cluster.namespace, args.num_ranks, 1024))
         seconds_per_token = asyncio.run(
             # one full step, within the bench model's 2048-token context
             prefill_seconds_per_token(cluster.namespace, min(args.max_num_batched_tokens, 1024))
         )
-        for _ in range(args.rounds):
-            for name, policy in POLICIES.items():
-                results[name] += asyncio.run(replay(cluster.namespace, policy, trace))
+        names = list(POLICIES)
+        for round_index in range(args.rounds):
+            # Each round starts with the next policy: none is always first or last.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                results[name] += asyncio.run(replay(cluster.namespace, POLICIES[name], trace))
     finally:
         cluster.shutdown()
         ray.shutdown()
