@@ -3,7 +3,9 @@
 Replays `bench/traces/bursty_heavy_tail.json` (arrival offsets, prompt and output lengths)
 through `DPLBAsyncMPClient` with shoal's least-loaded policy, with round-robin, and with
 vLLM's published score (4 * waiting + running), against the same four-rank cluster in the
-same run, and prints p50/p99 time to first token and end-to-end latency for each.
+same run, and prints p50/p99 time to first token and end-to-end latency for each. Every rank
+is warmed up first, and each round starts with the next policy, so no policy pays for cold
+ranks or always runs first.
 
 Beside them it prints a floor no policy can beat on this machine. Before the replays it times
 one rank's prefill per token when the machine is otherwise idle; no routing makes the ranks
