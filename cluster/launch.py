@@ -69,6 +69,27 @@ class ClusterNotFoundError(RuntimeError):
     """No shoal cluster runs in this namespace."""
 
 
+class EngineStartError(RuntimeError):
+    """An engine actor failed to start. The message names the rank and the engine's error; the
+    Ray error, with the engine's traceback, is chained as `__cause__`."""
+
+    def __init__(self, rank: int, error: ray.exceptions.RayActorError) -> None:
+        super().__init__(f"rank {rank} failed to start: {_engine_error(error)}")
+        self.rank = rank
+
+
+def _engine_error(error: ray.exceptions.RayActorError) -> str:
+    """The exception an engine's `__init__` raised, as "Type: message", when Ray says so."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not (error.actor_init_failed and lines):
+        return str(error)
+    # The message ends with the engine's exception: "package.module.Type: message".
+    qualified_type, separator, message = lines[-1].partition(": ")
+    if separator and qualified_type.replace(".", "").replace("_", "").isalnum():
+        return f"{qualified_type.rpartition('.')[2]}: {message}"
+    return lines[-1]
+
+
 @dataclass
 class ClusterHandle:
     """A launched or attached cluster: its namespace and the actors in it."""
@@ -189,7 +210,7 @@ def launch(
 
     Raises:
         ClusterExistsError: if the namespace already has a cluster.
-        ray.exceptions.RayActorError: if an engine fails to start (nothing is left behind).
+        EngineStartError: if an engine fails to start (nothing is left behind).
         ray.exceptions.GetTimeoutError: if placement or start-up exceed `ready_timeout_s`.
     """
     _require_ray(namespace)
@@ -227,8 +248,8 @@ def launch(
             detached=detached,
             ready_timeout_s=ready_timeout_s,
         )
-    except BaseException:
-        logger.exception("launch of namespace %r failed; tearing down", namespace)
+    except BaseException as e:  # the caller gets `e`, with its traceback
+        logger.error("launch of namespace %r failed (%s); tearing down", namespace, e)
         handle.shutdown()
         raise
     return handle
@@ -248,7 +269,7 @@ def add_ranks(
     """Reserves placement groups and starts engine actors for `ranks`; returns when all serve.
 
     Raises:
-        ray.exceptions.RayActorError: if an engine fails to start.
+        EngineStartError: if an engine fails to start.
         ray.exceptions.GetTimeoutError: if placement or start-up exceed `ready_timeout_s`.
     """
     ranks = list(ranks)
@@ -281,8 +302,13 @@ def add_ranks(
             )
             .remote(config, rank, handle.namespace, host)
         )
-    remaining_s = max(1.0, ready_timeout_s - (time.monotonic() - start))
-    ray.get([handle.engines[r].ready.remote() for r in ranks], timeout=remaining_s)
+    deadline = start + ready_timeout_s
+    readiness = {rank: handle.engines[rank].ready.remote() for rank in ranks}
+    for rank, ready in readiness.items():
+        try:
+            ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError as e:
+            raise EngineStartError(rank, e) from e
     logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
 
 

@@ -20,7 +20,13 @@ from types import FrameType
 
 import ray
 
-from cluster.launch import DEFAULT_NAMESPACE, READY_TIMEOUT_S, ClusterExistsError, launch
+from cluster.launch import (
+    DEFAULT_NAMESPACE,
+    READY_TIMEOUT_S,
+    ClusterExistsError,
+    EngineStartError,
+    launch,
+)
 from cluster.placement import RankResources
 from engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
@@ -129,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         stop.is_serving = True
     except ClusterExistsError as e:
         logger.error("%s", e)
+        return 1
+    except EngineStartError as e:  # the engine's traceback, not this process's
+        logger.error("%s\n%s", e, e.__cause__)
         return 1
     except KeyboardInterrupt:
         logger.info("interrupted while launching; nothing is left running")

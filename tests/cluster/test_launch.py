@@ -17,6 +17,7 @@ from cluster.launch import (
     ClusterExistsError,
     ClusterHandle,
     ClusterNotFoundError,
+    EngineStartError,
     attach,
     launch,
 )
@@ -206,9 +207,11 @@ def test_shutdown_leaves_no_actor_and_no_placement_group(cluster: ClusterHandle)
 def test_a_failed_launch_leaves_nothing_behind(ray_local: str, tmp_path: Path) -> None:
     config = EngineConfig.from_kwargs(str(tmp_path / "missing"), data_parallel_size=2)
     namespace = unique_namespace("broken")
-    with pytest.raises(ray.exceptions.RayActorError, match="missing"):
+    message = r"^rank 0 failed to start: ModelLoadError: .*missing: no such file or directory$"
+    with pytest.raises(EngineStartError, match=message) as raised:
         launch(
             config, namespace=namespace, resources=CPU_RANK, host="127.0.0.1", ready_timeout_s=60
         )
+    assert isinstance(raised.value.__cause__, ray.exceptions.RayActorError)  # the traceback
     assert _live_shoal_actors() == []
     assert live_placement_group_names(namespace) == []
