@@ -24,7 +24,7 @@ from client.dp_client import DPLBAsyncMPClient
 from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
 from cluster.launch import attach as attach_cluster
-from cluster.launch import registry_answers_again
+from cluster.launch import is_stopped, registry_answers_again
 from engine.errors import EngineDeadError
 from engine.protocol import EngineEndpoint, EngineFacts
 
@@ -46,8 +46,10 @@ class ClusterLink:
         membership: Membership,
         client_index: int,
         name: str,
+        namespace: str,
     ) -> None:
         self.registry = registry
+        self.namespace = namespace
         self.client = client
         self.membership = membership
         self.client_index = client_index
@@ -98,7 +100,7 @@ class ClusterLink:
             raise
         # Ranks that die come back (Ray restarts them) and are attached again by the watch.
         client.resources.engines_can_return = True
-        link = cls(handle.registry, client, membership, client_index, client_name)
+        link = cls(handle.registry, client, membership, client_index, client_name, namespace)
         # Every rank that answers is attached before the driver sends anything; one that does
         # not is reported (the registry restarts it if it hangs) and attached when it is back.
         await asyncio.gather(*await link._reconcile(membership))
@@ -137,23 +139,48 @@ class ClusterLink:
                         if polled.epoch >= membership.epoch:  # not older than a turn's reread
                             membership = polled
                     except ray.exceptions.RayActorError:
-                        if not await asyncio.to_thread(registry_answers_again, self.registry):
-                            logger.warning("the cluster registry is gone; no more updates")
+                        if not await self._registry_returns():
                             return
                         continue  # Ray restarted it; it read its saved state back
                     finally:
                         poll = None
-                epoch = await self._turn(membership)
+                try:
+                    epoch = await self._turn(membership)
+                except ray.exceptions.RayActorError:  # the registry died during the turn
+                    if not await self._registry_returns():
+                        return
         finally:
             if poll is not None:
                 poll.cancel()
 
+    async def _registry_returns(self) -> bool:
+        """After a registry call failed: whether the registry answers again (Ray restarted it).
+
+        One stopped with its cluster never does. Then no rank comes back either, so requests
+        waiting for one fail at once, as do later ones.
+        """
+        namespace = self.namespace
+        if await asyncio.to_thread(
+            registry_answers_again, self.registry, give_up=lambda: is_stopped(namespace)
+        ):
+            return True
+        logger.warning("the cluster registry is gone; no more updates")
+        self.client.resources.engines_can_return = False
+        return False
+
     async def _turn(self, membership: Membership) -> int:
-        """Reports lost ranks, then follows `membership`. Returns the epoch it followed."""
+        """Reports lost ranks, then follows `membership`. Returns the epoch it followed.
+
+        Raises:
+            ray.exceptions.RayActorError: the registry died meanwhile.
+        """
         reported, kept = await self._report_lost_engines()
         if reported:  # the registry's probes took time: read the membership again
             membership = await self.registry.membership.remote()
         self.membership = membership
+        # A cluster with no ranks left (stopped, or scaled to nothing) has none to bring back:
+        # requests fail at once instead of waiting for one.
+        self.client.resources.engines_can_return = bool(membership.ranks)
         publish_address = membership.stats_publish_address
         if publish_address is not None and publish_address != self.client.stats_address:
             logger.info("the coordinator moved; subscribing at %s", publish_address)

@@ -341,6 +341,14 @@ def attach(namespace: str = DEFAULT_NAMESPACE) -> ClusterHandle:
     return ClusterHandle(namespace, registry, coordinator)
 
 
+def is_stopped(namespace: str) -> bool:
+    """Whether the cluster in `namespace` is gone for good: its registry's name is free.
+
+    A registry that Ray is restarting keeps its name; one stopped with its cluster does not.
+    """
+    return _get_actor(REGISTRY_NAME, namespace) is None
+
+
 def _require_ray(namespace: str) -> None:
     if not ray.is_initialized():
         ray.init(address="auto", namespace=namespace, log_to_driver=False)

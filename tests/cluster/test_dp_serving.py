@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from actors.membership import RankState
 from client import AsyncLLM, SamplingParams
 from client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
 from client.dp_client import DPLBAsyncMPClient
+from client.mp_client import ENGINE_RETURN_WAIT_S
 from client.outputs import RequestOutput
 from cluster.launch import ClusterHandle, launch
 from cluster.placement import RankResources
@@ -158,6 +160,32 @@ async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: Clust
 
     left = await asyncio.wait_for(asyncio.to_thread(lambda: asyncio.run(drive())), 60)
     assert not left, left
+
+
+async def test_a_stopped_cluster_fails_its_drivers_requests_at_once(
+    ray_local: str, tmp_path: Path
+) -> None:
+    """Not after waiting `ENGINE_RETURN_WAIT_S` for a rank: none will come back."""
+    config = EngineConfig.from_kwargs(
+        make_tiny_checkpoint(tmp_path, "llama"), data_parallel_size=1, **ENGINE_KWARGS
+    )
+    handle = launch(
+        config,
+        namespace=unique_namespace("stopped"),
+        resources=RankResources(num_cpus=1),
+        host="127.0.0.1",
+    )
+    driver = await AsyncLLM.connect(handle.namespace, host="127.0.0.1", name="left behind")
+    try:
+        assert len((await _final(driver, "before", _params(3))).outputs[0].token_ids) == 3
+        await asyncio.to_thread(handle.shutdown)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            await _final(driver, "after the stop", _params(3))
+        assert time.monotonic() - started < ENGINE_RETURN_WAIT_S / 2
+    finally:
+        await driver.shutdown()
+        handle.shutdown()
 
 
 async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
