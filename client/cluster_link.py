@@ -164,7 +164,10 @@ class ClusterLink:
             registry_answers_again, self.registry, give_up=lambda: is_stopped(namespace)
         ):
             return True
-        logger.warning("the cluster registry is gone; no more updates")
+        if await asyncio.to_thread(is_stopped, namespace):
+            logger.info("the cluster in namespace %r was stopped", namespace)
+        else:
+            logger.warning("the cluster registry is gone; no more updates")
         self.client.resources.engines_can_return = False
         return False
 

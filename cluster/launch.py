@@ -317,6 +317,8 @@ def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
     forgets them in the registry and coordinator. Ranks already gone are skipped."""
     ranks = list(ranks)
     engines = {r: e for r in ranks if (e := _engine_or_none(handle, r)) is not None}
+    # Clients stop routing to them first, and take their deaths below as expected.
+    _wait_quietly([handle.registry.set_rank_leaving.remote(r) for r in engines], timeout=10)
     _wait_quietly([e.shutdown.remote() for e in engines.values()], timeout=30)
     for rank, engine in engines.items():
         _kill_quietly(engine)
