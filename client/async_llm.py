@@ -55,6 +55,7 @@ class AsyncLLM:
         host: str | None = None,
         name: str | None = None,
         policy: str = "least_loaded",
+        ready_timeout_s: float = 0.0,
     ) -> AsyncLLM:
         """Attaches to a running shoal cluster (started by `shoal serve` or `cluster.launch`).
 
@@ -64,14 +65,23 @@ class AsyncLLM:
             host: this machine's address as the engines should reach it; default: Ray's node IP.
             name: how this client is listed by `shoal status`.
             policy: "least_loaded", "queue_length" or "round_robin".
+            ready_timeout_s: how long to wait for a cluster that is still being launched (by a
+                `shoal serve` job just submitted, say) until one of its ranks serves. 0: no
+                wait.
 
         Raises:
-            ClusterNotFoundError: no cluster runs in the namespace.
+            ClusterNotFoundError: no cluster runs in the namespace (within `ready_timeout_s`).
+            TimeoutError: no rank of the cluster served within `ready_timeout_s`.
         """
         from client.cluster_link import ClusterLink
 
         link = await ClusterLink.attach(
-            namespace, address=address, host=host, name=name, policy=policy
+            namespace,
+            address=address,
+            host=host,
+            name=name,
+            policy=policy,
+            ready_timeout_s=ready_timeout_s,
         )
         config = link.membership.config
         tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Collection
 
 import ray
@@ -23,8 +24,8 @@ from actors.membership import Membership
 from client.dp_client import DPLBAsyncMPClient
 from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
+from cluster.launch import ClusterNotFoundError, is_stopped, registry_answers_again
 from cluster.launch import attach as attach_cluster
-from cluster.launch import is_stopped, registry_answers_again
 from engine.errors import EngineDeadError
 from engine.protocol import EngineEndpoint, EngineFacts
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 WATCH_POLL_S = 2.0
 # How long a rank may leave this client's HELLO unanswered before it is reported lost.
 ATTACH_TIMEOUT_S = 10.0
+# While waiting for a cluster to be launched or a rank to serve: how often to look.
+_READY_POLL_S = 0.2
 
 
 class ClusterLink:
@@ -71,18 +74,32 @@ class ClusterLink:
         host: str | None = None,
         name: str | None = None,
         policy: str = "least_loaded",
+        ready_timeout_s: float = 0.0,
     ) -> ClusterLink:
         """Attaches a new `DPLBAsyncMPClient` to the cluster in `namespace`.
 
+        Args:
+            ready_timeout_s: how long to wait for the cluster to be launched and for one of
+                its ranks to serve (a cluster that is still starting). 0: no wait.
+
         Raises:
-            ClusterNotFoundError: no cluster runs there.
+            ClusterNotFoundError: no cluster runs there (within `ready_timeout_s`).
+            TimeoutError: the cluster runs, but no rank served within `ready_timeout_s`.
             ValueError: unknown policy name.
         """
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
-        handle = attach_cluster(namespace)
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            try:
+                handle = attach_cluster(namespace)
+                break
+            except ClusterNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(_READY_POLL_S)
         membership: Membership = await handle.registry.membership.remote()
         client_name = name or f"{socket.gethostname()}:{os.getpid()}"
         client_index: int = await handle.registry.attach_client.remote(client_name)
@@ -104,7 +121,28 @@ class ClusterLink:
         # Every rank that answers is attached before the driver sends anything; one that does
         # not is reported (the registry restarts it if it hangs) and attached when it is back.
         await asyncio.gather(*await link._reconcile(membership))
+        if ready_timeout_s > 0:
+            try:
+                await link._wait_until_serving(deadline)
+            except BaseException:
+                await link.close()
+                client.shutdown()
+                raise
         return link
+
+    async def _wait_until_serving(self, deadline: float) -> None:
+        """Returns once a rank takes this client's requests; the watch attaches ranks as the
+        membership lists them ready.
+
+        Raises:
+            TimeoutError: none did by `deadline` (`time.monotonic()`).
+        """
+        while not self.client.routable_ranks():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no rank of the cluster in namespace {self.namespace!r} serves yet"
+                )
+            await asyncio.sleep(_READY_POLL_S)
 
     async def close(self) -> None:
         tasks = [self._task, *self._attaching.values()]

@@ -222,7 +222,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                     f"data_parallel_rank {pinned} is not serving (serving: {self.lb_engines})"
                 )
             return pinned
-        routable = self._routable_ranks()
+        routable = self.routable_ranks()
         if not routable:
             raise EngineDeadError("no engine rank is serving")
         return self.policy.choose(routable)
@@ -231,10 +231,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """Waits (`wait_for_engines`) for a routable rank, if ranks may come back."""
         resources = self.resources
         return await wait_for_engines(
-            lambda: bool(self._routable_ranks()), lambda: resources.engines_can_return
+            lambda: bool(self.routable_ranks()), lambda: resources.engines_can_return
         )
 
-    def _routable_ranks(self) -> list[int]:
+    def routable_ranks(self) -> list[int]:
+        """The ranks a new request may go to now: in `lb_engines` and not lost."""
         return [r for r in self.lb_engines if r not in self.resources.dead_engines]
 
     def rank_of(self, request_id: str) -> int | None:
@@ -299,7 +300,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         Raises:
             EngineDeadError: no rank is serving.
         """
-        ranks = self._routable_ranks()
+        ranks = self.routable_ranks()
         if not ranks:
             raise EngineDeadError("no engine rank is serving")
         results = await asyncio.gather(

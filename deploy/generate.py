@@ -94,7 +94,11 @@ def print_answer(answer: Answer) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     llm = await AsyncLLM.connect(
-        args.namespace, address=args.address, host=args.host, name="shoal generate"
+        args.namespace,
+        address=args.address,
+        host=args.host,
+        name="shoal generate",
+        ready_timeout_s=args.ready_timeout,
     )
     try:
         answers = await stream_prompts(
@@ -117,6 +121,13 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     add_ray_args(parser)
     parser.add_argument(
         "--host", default=None, help="this machine's address as engines reach it (default: node IP)"
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds for a cluster still being launched to serve (default: 0)",
     )
     add_sampling_args(parser)
     parser.add_argument("--json", action="store_true", help="print all answers as JSON")

@@ -24,7 +24,7 @@ from client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
 from client.dp_client import DPLBAsyncMPClient
 from client.mp_client import ENGINE_RETURN_WAIT_S
 from client.outputs import RequestOutput
-from cluster.launch import ClusterHandle, launch
+from cluster.launch import ClusterHandle, ClusterNotFoundError, launch
 from cluster.placement import RankResources
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -162,22 +162,34 @@ async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: Clust
     assert not left, left
 
 
-async def test_a_stopped_cluster_fails_its_drivers_requests_at_once(
+async def test_a_driver_waits_for_a_cluster_being_launched_and_fails_at_once_once_it_stops(
     ray_local: str, tmp_path: Path
 ) -> None:
-    """Not after waiting `ENGINE_RETURN_WAIT_S` for a rank: none will come back."""
+    """The driver connects before `launch` has made the registry; after the stop, its requests
+    fail without waiting `ENGINE_RETURN_WAIT_S` for a rank, as none will come back."""
+    namespace = unique_namespace("lifecycle")
+    with pytest.raises(ClusterNotFoundError):  # no wait asked for: none
+        await AsyncLLM.connect(namespace, host="127.0.0.1")
     config = EngineConfig.from_kwargs(
         make_tiny_checkpoint(tmp_path, "llama"), data_parallel_size=1, **ENGINE_KWARGS
     )
-    handle = launch(
-        config,
-        namespace=unique_namespace("stopped"),
-        resources=RankResources(num_cpus=1),
-        host="127.0.0.1",
+    launched = asyncio.create_task(
+        asyncio.to_thread(
+            launch,
+            config,
+            namespace=namespace,
+            resources=RankResources(num_cpus=1),
+            host="127.0.0.1",
+        )
     )
-    driver = await AsyncLLM.connect(handle.namespace, host="127.0.0.1", name="left behind")
+    driver = await AsyncLLM.connect(
+        namespace, host="127.0.0.1", name="early driver", ready_timeout_s=60
+    )
     try:
+        # Without the wait it would have found no cluster, or a rank not yet serving.
+        assert _client(driver).routable_ranks() == [0]
         assert len((await _final(driver, "before", _params(3))).outputs[0].token_ids) == 3
+        handle = await launched
         await asyncio.to_thread(handle.shutdown)
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -185,7 +197,7 @@ async def test_a_stopped_cluster_fails_its_drivers_requests_at_once(
         assert time.monotonic() - started < ENGINE_RETURN_WAIT_S / 2
     finally:
         await driver.shutdown()
-        handle.shutdown()
+        (await launched).shutdown()
 
 
 async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
