@@ -192,7 +192,9 @@ class AsyncMPClient(AsyncEngineSetMixin):
                             _self._on_engine_lost(dead.engine_index)
                             del _self
                         continue
-                    outputs: EngineCoreOutputs = decoder.decode(frames)
+                    outputs = decoder.decode(frames)
+                    if outputs is None:
+                        continue  # malformed: dropped
                     if outputs.utility_output:
                         if (
                             outputs.utility_output.call_id == EEP_NOTIFICATION_CALL_ID

@@ -72,7 +72,8 @@ class BackgroundResources:
 
         Returns:
             True for a data message; False for a RECHECK_ATTACHED notice (the asyncio client
-            acts on it; see `client.engine_monitor`) or a repeated one about a death.
+            acts on it; see `client.engine_monitor`), a repeated notice of a death, or one that
+            names no engine of this client (dropped).
 
         Raises:
             EngineDeadError: on the first notice that an engine died, and once more when an
@@ -87,16 +88,18 @@ class BackgroundResources:
             return True
         detail = frames[1].bytes
         engine_index = int(detail) if detail.isdigit() else None
-        if engine_index is None:
-            self.dead_engines.update(self.engine_identities)
-        elif engine_index in self.dead_engines and (
+        if engine_index not in self.engine_identities:
+            # Malformed, or about an engine this client does not have (any longer): no engine
+            # or monitor of this client sends that.
+            logger.warning("dropped a death notice about no engine of this client: %r", detail)
+            return False
+        if engine_index in self.dead_engines and (
             engine_index in self.gone_engines or self.may_return(engine_index)
         ):
             return False
-        else:
-            self.dead_engines.add(engine_index)
-            if not self.may_return(engine_index):
-                self.gone_engines.add(engine_index)
+        self.dead_engines.add(engine_index)
+        if not self.may_return(engine_index):
+            self.gone_engines.add(engine_index)
         raise EngineDeadError(
             "it sent ENGINE_CORE_DEAD, disappeared, or let this client go",
             engine_index=engine_index,

@@ -115,7 +115,7 @@ class MPClient:
         self._finalizer = weakref.finalize(self, self.resources)
         self.client_index = client_index
         self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.decoder = OutputDecoder()
         # call_id -> future of a pending utility call, and the engine it went to.
         self.utility_results: dict[int, AnyFuture] = {}
         self.utility_engines: dict[int, int] = {}
@@ -334,7 +334,8 @@ class MPClient:
             frames = pull.recv_multipart(copy=False)
             if not self.resources.validate_alive(frames):
                 continue
-            utility = self.decoder.decode(frames).utility_output
+            outputs = self.decoder.decode(frames)
+            utility = outputs.utility_output if outputs is not None else None
             if utility is None or utility.call_id not in waiting:
                 logger.debug("dropped an unexpected message during the HELLO handshake")
                 continue
@@ -367,6 +368,34 @@ class MPClient:
 
 
 # --- shared by the output thread and the output task ----------------------------------------
+
+
+class OutputDecoder:
+    """Decodes the messages of a client's output socket, dropping the ones that are malformed.
+
+    The PULL takes connections from anyone who can reach it; a message no engine would send (a
+    broken or foreign peer's) is logged and dropped, and the client goes on serving.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.num_dropped = 0
+
+    def decode(self, frames: Sequence[zmq.Frame]) -> EngineCoreOutputs | None:
+        """The message's outputs, or None if it is malformed."""
+        try:
+            outputs: EngineCoreOutputs = self._decoder.decode(frames)
+            return outputs
+        except Exception as e:  # a peer's bytes must never end the output loop
+            self.num_dropped += 1
+            if self.num_dropped & (self.num_dropped - 1) == 0:  # 1st, 2nd, 4th, 8th, ...
+                logger.warning(
+                    "dropped a malformed message on the output socket (%d so far): %s: %s",
+                    self.num_dropped,
+                    type(e).__name__,
+                    e,
+                )
+            return None
 
 
 def process_utility_output(output: UtilityOutput, utility_results: dict[int, AnyFuture]) -> None:

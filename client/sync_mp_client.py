@@ -28,6 +28,7 @@ from client.mp_client import (
     EngineIdentity,
     EngineUtilityError,
     MPClient,
+    OutputDecoder,
     as_engine_error,
     fail_utility_calls,
     format_exception,
@@ -44,7 +45,6 @@ from engine.protocol import (
     EngineFacts,
     SchedulerStats,
 )
-from engine.serial import MsgpackDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class SyncMPClient(MPClient):
 
 def _process_outputs_thread(
     resources: BackgroundResources,
-    decoder: MsgpackDecoder,
+    decoder: OutputDecoder,
     output_socket: zmq.Socket,
     outputs_queue: queue.Queue[_QueueItem],
     utility_results: dict[int, AnyFuture],
@@ -340,7 +340,9 @@ def _process_outputs_thread(
                     return
                 outputs_queue.put(dead)
                 continue
-            outputs: EngineCoreOutputs = decoder.decode(frames)
+            outputs = decoder.decode(frames)
+            if outputs is None:
+                continue  # malformed: dropped
             utility = outputs.utility_output
             if utility is not None:
                 if utility.call_id != EEP_NOTIFICATION_CALL_ID:

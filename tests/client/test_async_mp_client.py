@@ -31,6 +31,7 @@ from engine.protocol import (
 from engine.serial import MsgpackEncoder
 from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import (
+    MALFORMED_OUTPUT_MESSAGES,
     NUM_BLOCKS,
     ServedEngine,
     request,
@@ -122,13 +123,33 @@ async def test_cancelling_the_task_makes_get_output_raise(engine: ServedEngine) 
         client.shutdown()
 
 
+class FailingHookClient(AsyncMPClient):
+    async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        raise RuntimeError("the hook failed")
+
+
 async def test_a_failure_in_the_task_surfaces_with_its_cause(engine: ServedEngine) -> None:
-    client = AsyncMPClient([engine.endpoint])
+    client = FailingHookClient([engine.endpoint])
     try:
-        push_frames(client, [b"\xc1 not msgpack"])
+        await client.add_request_async(request("doomed", max_tokens=2))
         with pytest.raises(EngineDeadError) as info:
             await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
-        assert isinstance(info.value.__cause__, msgspec.DecodeError)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert "the hook failed" in str(info.value)
+    finally:
+        client.shutdown()
+
+
+async def test_malformed_messages_on_the_output_socket_are_dropped(engine: ServedEngine) -> None:
+    client = AsyncMPClient([engine.endpoint])
+    try:
+        push_frames(client, *MALFORMED_OUTPUT_MESSAGES)
+        await asyncio.sleep(0.2)  # they arrive first, and are dropped
+        assert client.decoder.num_dropped == 5
+        await client.add_request_async(request("after", max_tokens=3))
+        outputs = await collect(client, {"after"})
+        assert sum(len(o.new_token_ids) for o in outputs["after"]) == 3
+        assert client.resources.dead_engines == set()
     finally:
         client.shutdown()
 

@@ -9,11 +9,13 @@ import signal
 import weakref
 
 import pytest
+import zmq
 
 from client.core_client import EngineAttachError, EngineUtilityError, SyncMPClient
 from engine.errors import EngineDeadError
 from engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
 from tests.engine.core_proc_utils import (
+    MALFORMED_OUTPUT_MESSAGES,
     NUM_BLOCKS,
     ServedEngine,
     request,
@@ -183,5 +185,23 @@ def test_a_launched_engine_that_stalled_is_attached_again_at_the_next_call_until
         assert client.resources.is_output_done
         with pytest.raises(EngineDeadError):
             client.add_request(request("after", max_tokens=2))
+    finally:
+        client.shutdown()
+
+
+def test_malformed_messages_on_the_output_socket_are_dropped(engine: ServedEngine) -> None:
+    client = SyncMPClient([engine.endpoint])
+    try:
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(client.output_address)
+        for frames in MALFORMED_OUTPUT_MESSAGES:
+            push.send_multipart(frames)
+        push.close(linger=2000)
+        ctx.term()
+        assert wait_until(lambda: client.decoder.num_dropped == 5, timeout_s=10)
+        client.add_request(request("after", max_tokens=3))
+        assert sum(len(o.new_token_ids) for o in collect(client, {"after"})["after"]) == 3
+        assert client.resources.dead_engines == set()
     finally:
         client.shutdown()

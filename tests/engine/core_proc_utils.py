@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import zmq
 
 from engine.config import EngineConfig
@@ -31,6 +32,19 @@ from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16
+
+
+# Messages no engine sends, as some other peer of a client's output socket might push them;
+# a client drops them, and the first five count as undecodable (`OutputDecoder.num_dropped`).
+MALFORMED_OUTPUT_MESSAGES: list[list[bytes | memoryview]] = [
+    [b"\xc1 not msgpack"],
+    [msgspec.msgpack.encode([0, [["r", "not a token list"]]])[:-3]],  # truncated
+    [msgspec.msgpack.encode({"engine_index": "zero"})],  # a wrong struct
+    [b""],
+    [b"ENGINE_CORE_DEAD", b"not an index"],
+    [b"ENGINE_CORE_DEAD", b"7"],  # no engine of this client
+    [b"x", b"y", b"z"],
+]
 
 
 def tiny_config(path: str, **kwargs: Any) -> EngineConfig:
