@@ -121,7 +121,8 @@ class AsyncLLM:
         Args:
             prompt: text, token ids, or a vLLM prompt dict.
             sampling_params: default `SamplingParams()`.
-            request_id: default a fresh uuid; must be unique among live requests.
+            request_id: default a fresh uuid; unique among this client's live requests
+                (other drivers of a cluster may use the same ids).
             data_parallel_rank: pin the request to one rank (cluster mode).
 
         Raises:
@@ -132,15 +133,16 @@ class AsyncLLM:
             raise self._dead_error
         params = sampling_params or SamplingParams()
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        external_id = request_id or uuid.uuid4().hex
         request = EngineCoreRequest(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=self._engine_request_id(external_id),
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=time.time(),
             data_parallel_rank=data_parallel_rank,
         )
         collector = RequestOutputCollector(params.output_kind)
-        state = self.output_processor.add_request(request, text, collector)
+        state = self.output_processor.add_request(request, text, collector, external_id)
         self._ensure_output_handler()
         try:
             await self.engine_core.add_request_async(request)
@@ -158,15 +160,24 @@ class AsyncLLM:
                 yield output
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
-                await self.abort(request.request_id)
+                await self._abort(request.request_id)
             raise
 
+    def _engine_request_id(self, request_id: str) -> str:
+        """The id a request of this client has in the engines: the caller's, made unique among
+        every client's by this client's index, so drivers sharing a cluster may choose the
+        same ids. The last "-c" is ours (an index has none), so no two clients' ids meet."""
+        return f"{request_id}-c{self.engine_core.client_index}"
+
     async def abort(self, request_id: str) -> None:
-        """Aborts a request here and in the engine that serves it."""
-        self.output_processor.abort_requests([request_id])
+        """Aborts a request (by the id `generate` was given) here and in its engine."""
+        await self._abort(self._engine_request_id(request_id))
+
+    async def _abort(self, engine_request_id: str) -> None:
+        self.output_processor.abort_requests([engine_request_id])
         if self._dead_error is None and not self.engine_core.resources.is_closed:
             with contextlib.suppress(EngineDeadError):  # nothing left to abort there
-                await self.engine_core.abort_requests_async([request_id])
+                await self.engine_core.abort_requests_async([engine_request_id])
 
     def _engine_index_of(self, request_id: str) -> int | None:
         rank_of = getattr(self.engine_core, "rank_of", None)

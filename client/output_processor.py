@@ -99,8 +99,10 @@ class RequestState:
         prompt: str | None,
         tokenizer: Tokenizer | None,
         collector: RequestOutputCollector | None,
+        external_id: str | None = None,
     ) -> None:
         self.request_id = request.request_id
+        self.external_id = external_id or request.request_id  # what the caller calls it
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params = request.sampling_params
@@ -212,7 +214,7 @@ class RequestState:
             stop_reason=self.stop_reason,
         )
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.external_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[completion],
@@ -265,15 +267,20 @@ class OutputProcessor:
         request: EngineCoreRequest,
         prompt: str | None = None,
         collector: RequestOutputCollector | None = None,
+        external_id: str | None = None,
     ) -> RequestState:
-        """Starts tracking a request.
+        """Starts tracking a request, keyed by its engine request id.
+
+        Args:
+            external_id: the id its outputs carry, when the caller's id is not the engine's.
 
         Raises:
             ValueError: if the request id is already live on this client.
         """
         if request.request_id in self.request_states:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        state = RequestState(request, prompt, self.tokenizer, collector)
+            shown = external_id or request.request_id
+            raise ValueError(f"request_id {shown!r} is already in use")
+        state = RequestState(request, prompt, self.tokenizer, collector, external_id)
         self.request_states[request.request_id] = state
         return state
 

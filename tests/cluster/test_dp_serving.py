@@ -146,6 +146,34 @@ async def test_two_drivers_only_see_their_own_outputs(
     client.shutdown()
 
 
+async def test_drivers_may_use_the_same_request_ids_on_one_rank(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    other = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="same ids")
+    try:
+        prompts = {llm: [5, 6, 7], other: [8, 9, 10, 11]}
+
+        async def run(driver: AsyncLLM, i: int) -> RequestOutput:
+            prompt = {"prompt_token_ids": prompts[driver]}
+            return await _final(
+                driver, prompt, _params(6 + i), request_id=f"job-{i}", data_parallel_rank=0
+            )
+
+        mine, theirs = await asyncio.gather(
+            asyncio.gather(*(run(llm, i) for i in range(4))),
+            asyncio.gather(*(run(other, i) for i in range(4))),
+        )
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert a.request_id == b.request_id == f"job-{i}"
+            assert a.error is None and b.error is None
+            assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 6 + i
+            assert a.prompt_token_ids == prompts[llm] and b.prompt_token_ids == prompts[other]
+        with pytest.raises(ValueError, match="'job-0' is already in use"):  # within one driver
+            await asyncio.gather(run(other, 0), run(other, 0))
+    finally:
+        await other.shutdown()
+
+
 async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: ClusterHandle) -> None:
     """On a loop of its own, in a thread, so only this driver's tasks are looked at."""
 
