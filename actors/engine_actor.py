@@ -21,7 +21,9 @@ from actors.membership import Membership
 from actors.registry import REGISTRY_NAME
 from engine.config import EngineConfig
 from engine.core_proc import EngineCoreProc
+from engine.errors import ModelLoadError
 from engine.protocol import EngineEndpoint
+from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,13 @@ class EngineCoreActor:
         self, config: EngineConfig, rank: int, namespace: str, host: str | None = None
     ) -> None:
         self.rank = rank
+        # Read now, for drivers on nodes without the checkpoint (`tokenizer()`): this node's
+        # copy may not last (a download directory that is cleaned up, say).
+        self._tokenizer: Tokenizer | ModelLoadError
+        try:
+            self._tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        except ModelLoadError as e:  # the engine runs on token ids without one
+            self._tokenizer = e
         registry: Any = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         membership: Membership = ray.get(registry.membership.remote())
         node_ip = host or ray.util.get_node_ip_address()
@@ -113,6 +122,17 @@ class EngineCoreActor:
             "is_busy_loop_alive": self._busy_loop.is_alive(),
             "pid": os.getpid(),
         }
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, as read from this node's checkpoint at start: for drivers on
+        nodes that have none (`AsyncLLM.connect`).
+
+        Raises:
+            ModelLoadError: the checkpoint holds no usable tokenizer.
+        """
+        if isinstance(self._tokenizer, ModelLoadError):
+            raise self._tokenizer
+        return self._tokenizer
 
     def set_stats_address(self, address: str) -> None:
         """Pushes stats reports to `address` from now on (the coordinator moved)."""

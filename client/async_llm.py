@@ -83,10 +83,14 @@ class AsyncLLM:
             policy=policy,
             ready_timeout_s=ready_timeout_s,
         )
-        config = link.membership.config
-        tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        try:
+            tokenizer = await link.load_tokenizer()
+        except BaseException:
+            await link.close()
+            link.client.shutdown()
+            raise
         self = cls.__new__(cls)
-        self._setup(config, tokenizer, link.client, link)
+        self._setup(link.membership.config, tokenizer, link.client, link)
         return self
 
     def _setup(

@@ -26,8 +26,9 @@ from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
 from cluster.launch import ClusterNotFoundError, is_stopped, registry_answers_again
 from cluster.launch import attach as attach_cluster
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, ModelLoadError
 from engine.protocol import EngineEndpoint, EngineFacts
+from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,28 @@ class ClusterLink:
                     f"no rank of the cluster in namespace {self.namespace!r} serves yet"
                 )
             await asyncio.sleep(_READY_POLL_S)
+
+    async def load_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer: from this node's copy of the checkpoint, or, where this node
+        has none (a driver away from the GPU nodes), from a serving rank's.
+
+        Raises:
+            ModelLoadError: neither this node nor any serving rank could load it.
+        """
+        model = self.membership.config.model
+        try:
+            return await asyncio.to_thread(load_tokenizer, model.tokenizer or model.model)
+        except ModelLoadError as local_error:
+            ranks = sorted(self.membership.ranks.values(), key=lambda info: info.rank)
+            for info in ranks:
+                if not info.is_routable:
+                    continue
+                with contextlib.suppress(ValueError, ray.exceptions.RayActorError):
+                    actor = ray.get_actor(info.actor_name, namespace=self.namespace)
+                    tokenizer: Tokenizer = await actor.tokenizer.remote()
+                    logger.info("%s; using rank %d's tokenizer", local_error, info.rank)
+                    return tokenizer
+            raise
 
     async def close(self) -> None:
         tasks = [self._task, *self._attaching.values()]

@@ -190,17 +190,17 @@ async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: Clust
     assert not left, left
 
 
-async def test_a_driver_waits_for_a_cluster_being_launched_and_fails_at_once_once_it_stops(
+async def test_a_cluster_seen_by_its_drivers_from_launch_to_stop(
     ray_local: str, tmp_path: Path
 ) -> None:
-    """The driver connects before `launch` has made the registry; after the stop, its requests
-    fail without waiting `ENGINE_RETURN_WAIT_S` for a rank, as none will come back."""
+    """The driver connects before `launch` has made the registry; a second one connects where
+    the checkpoint is not (it takes the rank's tokenizer); after the stop, requests fail without
+    waiting `ENGINE_RETURN_WAIT_S` for a rank, as none will come back."""
     namespace = unique_namespace("lifecycle")
     with pytest.raises(ClusterNotFoundError):  # no wait asked for: none
         await AsyncLLM.connect(namespace, host="127.0.0.1")
-    config = EngineConfig.from_kwargs(
-        make_tiny_checkpoint(tmp_path, "llama"), data_parallel_size=1, **ENGINE_KWARGS
-    )
+    checkpoint = make_tiny_checkpoint(tmp_path / "here", "llama")
+    config = EngineConfig.from_kwargs(checkpoint, data_parallel_size=1, **ENGINE_KWARGS)
     launched = asyncio.create_task(
         asyncio.to_thread(
             launch,
@@ -216,8 +216,16 @@ async def test_a_driver_waits_for_a_cluster_being_launched_and_fails_at_once_onc
     try:
         # Without the wait it would have found no cluster, or a rank not yet serving.
         assert _client(driver).routable_ranks() == [0]
-        assert len((await _final(driver, "before", _params(3))).outputs[0].token_ids) == 3
+        before = await _final(driver, "before", _params(3))
+        assert len(before.outputs[0].token_ids) == 3
         handle = await launched
+        (tmp_path / "here").rename(tmp_path / "gone")  # as on a node without the model files
+        away = await AsyncLLM.connect(namespace, host="127.0.0.1", name="driver away")
+        try:
+            text = before.outputs[0].text
+            assert (await _final(away, "before", _params(3))).outputs[0].text == text
+        finally:
+            await away.shutdown()
         await asyncio.to_thread(handle.shutdown)
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
