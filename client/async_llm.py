@@ -133,6 +133,7 @@ class AsyncLLM:
             RequestError: the engine rejected the request (the message says why).
             EngineDeadError: the engine serving it died.
         """
+        self._check_loop()
         if self._dead_error is not None:
             raise self._dead_error
         params = sampling_params or SamplingParams()
@@ -175,6 +176,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request (by the id `generate` was given) here and in its engine."""
+        self._check_loop()
         await self._abort(self._engine_request_id(request_id))
 
     async def _abort(self, engine_request_id: str) -> None:
@@ -191,6 +193,23 @@ class AsyncLLM:
         return next(iter(self.engine_core.engines), None)
 
     # --- the output handler -------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        """Refuses a loop other than the one this client's tasks run on.
+
+        Its output task and queues belong to the loop that first used it. A second
+        `asyncio.run()` would otherwise wait for outputs that nothing reads.
+
+        Raises:
+            RuntimeError: called on another event loop.
+        """
+        handler = self._output_handler
+        if handler is not None and handler.get_loop() is not asyncio.get_running_loop():
+            raise RuntimeError(
+                "this AsyncLLM runs on another event loop (a second asyncio.run()?); "
+                "create the AsyncLLM inside the loop that uses it, or shut it down and make a "
+                "new one"
+            )
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None:
@@ -233,25 +252,32 @@ class AsyncLLM:
 
     async def get_stats(self) -> SchedulerStats:
         """The serving engine's load (the first rank's, in cluster mode)."""
+        self._check_loop()
         stats: SchedulerStats = await self.engine_core.call_utility_async("get_stats")
         return stats
 
     async def reset_prefix_cache(self) -> bool:
+        self._check_loop()
         result: bool = await self.engine_core.call_utility_async("reset_prefix_cache")
         return result
 
     async def shutdown(self) -> None:
         """Ends every open stream, stops the output handler, detaches from the engines (and
         from the cluster registry)."""
+        handler = self._output_handler
+        # From another loop (the first one has closed): its tasks are over, and detaching
+        # (GOODBYE) aborts this client's requests in the engines anyway.
+        on_own_loop = handler is None or handler.get_loop() is asyncio.get_running_loop()
         pending = list(self.output_processor.request_states)
         if pending:
             self.output_processor.fail_requests(pending, EngineDeadError("the client shut down"))
-            with contextlib.suppress(EngineDeadError):
-                await self.engine_core.abort_requests_async(pending)
+            if on_own_loop:
+                with contextlib.suppress(EngineDeadError):
+                    await self.engine_core.abort_requests_async(pending)
         self._dead_error = EngineDeadError("the client shut down")
-        if self._output_handler is not None:
-            self._output_handler.cancel()
-            await asyncio.gather(self._output_handler, return_exceptions=True)
+        if handler is not None and on_own_loop:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
         if self._link is not None:
             await self._link.close()
         self.engine_core.shutdown()

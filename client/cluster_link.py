@@ -168,7 +168,9 @@ class ClusterLink:
             raise
 
     async def close(self) -> None:
-        tasks = [self._task, *self._attaching.values()]
+        """Stops watching and detaches from the registry; callable from any loop (the tasks of
+        one that has closed are over already)."""
+        tasks = [t for t in (self._task, *self._attaching.values()) if not t.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

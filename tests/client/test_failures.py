@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
+from client import AsyncLLM, SamplingParams
 from client.core_client import AsyncMPClient, SyncMPClient
 from engine.core_proc import start_engine_process, stop_engine_process
 from engine.errors import EngineDeadError
@@ -344,3 +345,25 @@ def test_a_lost_hello_answer_is_asked_for_again(caplog: pytest.LogCaptureFixture
         thread.join(timeout=5)
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_second_event_loop_is_refused_at_once_and_shutdown_works_from_it(
+    tmp_path: Path,
+) -> None:
+    """Two `asyncio.run()` calls on one AsyncLLM: the second would wait for ever without the
+    check, as the output task died with the first loop."""
+    llm = AsyncLLM(make_tiny_checkpoint(tmp_path, "llama"), num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def first() -> int:
+        outputs = [out async for out in llm.generate("first loop", params)]
+        return len(outputs[-1].outputs[0].token_ids)
+
+    async def second() -> None:
+        with pytest.raises(RuntimeError, match="another event loop"):
+            await asyncio.wait_for(llm.generate("second loop", params).__anext__(), 5)
+        await llm.shutdown()
+
+    assert asyncio.run(first()) == 4
+    asyncio.run(second())
+    assert llm.engine_core.resources.is_closed
