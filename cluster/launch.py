@@ -274,6 +274,16 @@ def add_ranks(
     """
     ranks = list(ranks)
     targets = plan_nodes(len(ranks), resources, placement_strategy)
+    num_waiting = targets.count(None)
+    if num_waiting:
+        logger.warning(
+            "the Ray cluster has room for %d of %d ranks (%s each) now; the rest wait for "
+            "nodes (an autoscaler may add them) for up to %.0f s",
+            len(ranks) - num_waiting,
+            len(ranks),
+            resources.bundle(),
+            ready_timeout_s,
+        )
     groups = {
         rank: create_rank_placement_group(
             handle.namespace, rank, resources, target_node_id=target, detached=detached
@@ -281,7 +291,14 @@ def add_ranks(
         for rank, target in zip(ranks, targets, strict=True)
     }
     start = time.monotonic()
-    ray.get([g.ready() for g in groups.values()], timeout=ready_timeout_s)
+    placed = {rank: group.ready() for rank, group in groups.items()}
+    _, unplaced = ray.wait(list(placed.values()), num_returns=len(placed), timeout=ready_timeout_s)
+    if unplaced:
+        waiting = sorted(rank for rank, ready in placed.items() if ready in unplaced)
+        raise ray.exceptions.GetTimeoutError(
+            f"ranks {waiting} found no node with room for {resources.bundle()} each within "
+            f"{ready_timeout_s:.0f} s"
+        )
     for rank, group in groups.items():
         ray.get(
             handle.registry.plan_rank.remote(
@@ -309,6 +326,10 @@ def add_ranks(
             ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
         except ray.exceptions.RayActorError as e:
             raise EngineStartError(rank, e) from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise ray.exceptions.GetTimeoutError(
+                f"rank {rank} did not start serving within {ready_timeout_s:.0f} s"
+            ) from e
     logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
 
 

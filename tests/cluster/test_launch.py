@@ -215,3 +215,21 @@ def test_a_failed_launch_leaves_nothing_behind(ray_local: str, tmp_path: Path) -
     assert isinstance(raised.value.__cause__, ray.exceptions.RayActorError)  # the traceback
     assert _live_shoal_actors() == []
     assert live_placement_group_names(namespace) == []
+
+
+def test_ranks_that_find_no_room_time_out_by_name_and_leave_nothing_behind(
+    ray_local: str, checkpoint: str
+) -> None:
+    config = EngineConfig.from_kwargs(checkpoint, data_parallel_size=1, **ENGINE_KWARGS)
+    namespace = unique_namespace("no-room")
+    message = r"ranks \[0\] found no node with room for \{'CPU': 1000\} each within 3 s"
+    with pytest.raises(ray.exceptions.GetTimeoutError, match=message):
+        launch(
+            config,
+            namespace=namespace,
+            resources=RankResources(num_cpus=1000),
+            host="127.0.0.1",
+            ready_timeout_s=3,
+        )
+    assert _live_shoal_actors() == []
+    assert live_placement_group_names(namespace) == []
