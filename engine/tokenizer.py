@@ -147,6 +147,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     Raises:
         ModelLoadError: the path holds no usable tokenizer.
     """
+    if not Path(path).exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
     if is_gguf_path(path):
         spec = load_gguf_tokenizer(path)
         return Tokenizer(

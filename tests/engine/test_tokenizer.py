@@ -222,6 +222,8 @@ def test_missing_chat_template_raises(tiny_dir: Path) -> None:
 
 
 def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"missing: no such file or directory$"):
+        load_tokenizer(str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
         load_tokenizer(str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{not json")
