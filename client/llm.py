@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from client.output_processor import OutputProcessor
 from client.outputs import RequestOutput
-from client.prompts import PromptType, as_prompt_list, tokenize_prompt
+from client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams, SchedulerStats
@@ -80,6 +80,33 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answers one conversation, or a list of them, as vLLM's `LLM.chat` does.
+
+        Args:
+            messages: [{"role": ..., "content": ...}, ...], or a list of such conversations.
+            sampling_params: as for `generate`.
+            add_generation_prompt: end each prompt with the assistant turn's header.
+
+        Returns:
+            One `RequestOutput` per conversation, in order.
+
+        Raises:
+            ValueError: the model has no chat template, or the template raised.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = [
+            chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+            for conversation in cast(Sequence[Sequence[dict[str, Any]]], conversations)
+        ]
+        return self.generate(prompts, sampling_params)
 
     def generate(
         self,

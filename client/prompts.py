@@ -34,3 +34,21 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTyp
     if items and all(isinstance(t, int) for t in items):
         return [items]
     return items
+
+
+def chat_prompt(
+    tokenizer: Tokenizer,
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+) -> dict[str, Any]:
+    """One conversation as a prompt dict, rendered with the model's chat template.
+
+    The template writes whatever special tokens the model wants (BOS included), so the text is
+    tokenized without adding any, as vLLM does for chat.
+
+    Raises:
+        ValueError: the model has no chat template, or the template raised.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

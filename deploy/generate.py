@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from client import AsyncLLM, SamplingParams
 from client.outputs import RequestOutput
+from client.prompts import PromptType, chat_prompt
 
 
 @dataclass
@@ -59,12 +60,12 @@ async def stream_prompts(
     tokenizer = llm.get_tokenizer()
 
     async def one(prompt: str) -> Answer:
-        text = (
-            tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        request: PromptType = (
+            chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
         )
         start = time.monotonic()
         final: RequestOutput | None = None
-        async for output in llm.generate(text, params):
+        async for output in llm.generate(request, params):
             final = output
         assert final is not None
         completion = final.outputs[0]

@@ -202,3 +202,25 @@ def test_multiprocess_mode_matches_in_process(tiny_llama: str) -> None:
     finally:
         mp.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in inproc]
+
+
+def test_chat_renders_the_template_and_adds_no_special_tokens(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, num_gpu_blocks_override=64)
+    tokenizer = llm.get_tokenizer()
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "what is two and two"},
+        ],
+    ]
+    texts = [tokenizer.apply_chat_template(c) for c in conversations]
+    assert texts[0] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY)
+    both = llm.chat(conversations, GREEDY)
+    assert [o.prompt_token_ids for o in both] == ids
+    assert [o.prompt for o in both] == texts
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in by_ids]
+    (one,) = llm.chat(conversations[0], GREEDY)  # a single conversation
+    assert one.outputs[0].token_ids == both[0].outputs[0].token_ids
