@@ -197,14 +197,16 @@ class AsyncLLM:
     def _check_loop(self) -> None:
         """Refuses a loop other than the one this client's tasks run on.
 
-        Its output task and queues belong to the loop that first used it. A second
-        `asyncio.run()` would otherwise wait for outputs that nothing reads.
+        Its output tasks (this one's and its engine client's) and queues belong to the loop
+        that first used it. A second `asyncio.run()` would otherwise wait for outputs that
+        nothing reads.
 
         Raises:
             RuntimeError: called on another event loop.
         """
-        handler = self._output_handler
-        if handler is not None and handler.get_loop() is not asyncio.get_running_loop():
+        loop = asyncio.get_running_loop()
+        tasks = (self._output_handler, self.engine_core.resources.output_queue_task)
+        if any(task is not None and task.get_loop() is not loop for task in tasks):
             raise RuntimeError(
                 "this AsyncLLM runs on another event loop (a second asyncio.run()?); "
                 "create the AsyncLLM inside the loop that uses it, or shut it down and make a "

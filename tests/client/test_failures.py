@@ -351,19 +351,20 @@ def test_a_second_event_loop_is_refused_at_once_and_shutdown_works_from_it(
     tmp_path: Path,
 ) -> None:
     """Two `asyncio.run()` calls on one AsyncLLM: the second would wait for ever without the
-    check, as the output task died with the first loop."""
+    check, as the output task died with the first loop. A utility call alone binds it."""
     llm = AsyncLLM(make_tiny_checkpoint(tmp_path, "llama"), num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     async def first() -> int:
-        outputs = [out async for out in llm.generate("first loop", params)]
-        return len(outputs[-1].outputs[0].token_ids)
+        return (await llm.get_stats()).num_total_blocks
 
     async def second() -> None:
         with pytest.raises(RuntimeError, match="another event loop"):
             await asyncio.wait_for(llm.generate("second loop", params).__anext__(), 5)
+        with pytest.raises(RuntimeError, match="another event loop"):
+            await llm.get_stats()
         await llm.shutdown()
 
-    assert asyncio.run(first()) == 4
+    assert asyncio.run(first()) == 64
     asyncio.run(second())
     assert llm.engine_core.resources.is_closed
