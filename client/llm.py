@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
+from tqdm import tqdm
+
 from client.output_processor import OutputProcessor
 from client.outputs import RequestOutput
 from client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
@@ -87,6 +89,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Answers one conversation, or a list of them, as vLLM's `LLM.chat` does.
 
@@ -94,6 +97,7 @@ class LLM:
             messages: [{"role": ..., "content": ...}, ...], or a list of such conversations.
             sampling_params: as for `generate`.
             add_generation_prompt: end each prompt with the assistant turn's header.
+            use_tqdm: as for `generate`.
 
         Returns:
             One `RequestOutput` per conversation, in order.
@@ -106,18 +110,21 @@ class LLM:
             chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt)
             for conversation in cast(Sequence[Sequence[dict[str, Any]]], conversations)
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion.
 
         Args:
             prompts: one prompt or a list; each is text, token ids, or a vLLM prompt dict.
             sampling_params: one for all prompts, or one per prompt (default: `SamplingParams()`).
+            use_tqdm: show a progress bar of finished prompts on stderr, as vLLM does.
 
         Returns:
             One `RequestOutput` per prompt, in order. A rejected prompt (too long, invalid
@@ -142,16 +149,21 @@ class LLM:
             self._driver.add_request(request)
             request_ids.append(request.request_id)
         final: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while processor.has_unfinished_requests():
                 for outputs in self._driver.step_outputs():
                     processed = processor.process_outputs(outputs.outputs, outputs.engine_index)
                     if processed.reqs_to_abort:
                         self._driver.abort_requests(processed.reqs_to_abort)
-                    final.update((o.request_id, o) for o in processed.request_outputs if o.finished)
+                    finished = [o for o in processed.request_outputs if o.finished]
+                    final.update((o.request_id, o) for o in finished)
+                    progress.update(len(finished))
         except BaseException:
             self._driver.abort_requests(list(processor.request_states))
             raise
+        finally:
+            progress.close()
         return [final[request_id] for request_id in request_ids]
 
     def get_stats(self) -> SchedulerStats:

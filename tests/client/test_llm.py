@@ -224,3 +224,15 @@ def test_chat_renders_the_template_and_adds_no_special_tokens(tiny_llama: str) -
     assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in by_ids]
     (one,) = llm.chat(conversations[0], GREEDY)  # a single conversation
     assert one.outputs[0].token_ids == both[0].outputs[0].token_ids
+
+
+def test_use_tqdm_shows_a_progress_bar_or_nothing(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm = LLM(tiny_llama, num_gpu_blocks_override=64)
+    quiet = llm.generate(["a", "b"], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    shown = llm.generate(["a", "b"], GREEDY)  # vLLM's default
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
