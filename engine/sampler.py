@@ -1,7 +1,8 @@
 """Batched next-token sampling over the rows of requests that sample this step.
 
-Order per row, as in vLLM: raw logprobs (if asked) -> min_tokens masking -> greedy argmax, or
-temperature -> top-k -> top-p -> draw. A seeded request's draw for output position i comes from a
+Order per row, as in vLLM: raw logprobs (if asked) -> min_tokens masking -> penalties
+(repetition, frequency, presence) -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
+draw. A seeded request's draw for output position i comes from a
 generator seeded by (seed, i) alone, so its tokens do not depend on batching or preemption.
 Knows nothing about the model or the scheduler; it only reads requests.
 """
@@ -49,6 +50,7 @@ class Sampler:
         # Logprobs of the raw distribution, before any masking or temperature (vLLM's default).
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         _mask_min_tokens(logits, requests)
+        _apply_penalties(logits, requests)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             token_ids = logits.argmax(dim=-1)
@@ -89,11 +91,45 @@ def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             logits[row, banned] = float("-inf")
 
 
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """vLLM's penalties: the repetition penalty divides the positive logits (multiplies the
+    negative ones) of every token in the prompt or the output, as HF's processor does; the
+    frequency penalty is subtracted per time a token was generated, the presence penalty once.
+    """
+    vocab = logits.shape[1]
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if not params.has_penalties:
+            continue
+        line = logits[row]
+        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+        output = output[output < vocab]
+        if params.repetition_penalty != 1.0:
+            prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=line.device)
+            seen = torch.cat([prompt[prompt < vocab], output]).unique()
+            values = line[seen]
+            penalty = params.repetition_penalty
+            line[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if (params.frequency_penalty or params.presence_penalty) and len(output):
+            counts = torch.bincount(output, minlength=vocab).to(line.dtype)
+            line -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
+    """Drops, per row, the tokens less likely than min_p times the likeliest one."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values
+    threshold *= torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
 def _sample_random(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Draws from temperature-scaled, top-k / top-p truncated distributions by inverse CDF."""
     params = [r.sampling_params for r in requests]
     device, vocab = logits.device, logits.shape[1]
     logits.div_(torch.tensor([p.temperature for p in params], device=device)[:, None])
+    if any(p.min_p > 0.0 for p in params):
+        _apply_min_p(logits, [p.min_p for p in params])
     uniforms = _uniforms(requests).to(device)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     truncated = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]

@@ -236,3 +236,15 @@ def test_use_tqdm_shows_a_progress_bar_or_nothing(
     err = capsys.readouterr().err
     assert "Processed prompts" in err and "2/2" in err
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+
+
+def test_penalties_and_min_p_reach_the_engine(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, num_gpu_blocks_override=64)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain)) < len(plain)  # a tiny random model repeats itself
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=2.0)
+    spread = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(spread)) > len(set(plain))  # fewer repeats
+    keep_top = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=16, ignore_eos=True)
+    assert llm.generate(prompt, keep_top, use_tqdm=False)[0].outputs[0].token_ids == plain

@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature / top-k / top-p, seeds, min_tokens, logprobs."""
+"""Sampler: greedy, temperature / min-p / top-k / top-p, seeds, min_tokens, penalties, logprobs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from engine.protocol import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler, draw_seed
+from engine.sampler import Sampler, _apply_penalties, draw_seed
 
 VOCAB = 64
 
@@ -149,6 +149,65 @@ def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     assert _sample(logits, [_request(plain, num_outputs=0, eos=(7,))]) == [7]
     outside = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[10**6])
     assert _sample(logits, [_request(outside, num_outputs=0, eos=(7,))]) == [9]
+
+
+def test_repetition_penalty_is_hfs_over_prompt_and_output() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = _logits(1, seed=7)
+    request = _request(SamplingParams(repetition_penalty=1.7), num_outputs=3)  # outputs 5, 5, 5
+    request.append_output_token(40)
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(
+        torch.tensor([[1, 2, 3, 5, 5, 5, 40]]), logits.clone()
+    )
+    penalized = logits.clone()
+    _apply_penalties(penalized, [request])
+    torch.testing.assert_close(penalized, expected)
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    request = _request(params, num_outputs=3)  # prompt 1, 2, 3; outputs 5, 5, 5
+    request.append_output_token(9)
+    _apply_penalties(logits, [request])
+    expected = torch.zeros(1, VOCAB)
+    expected[0, 5] = -(0.5 * 3 + 0.25)
+    expected[0, 9] = -(0.5 + 0.25)
+    torch.testing.assert_close(logits, expected)  # prompt tokens 1, 2, 3 untouched
+
+
+def test_penalties_steer_greedy_and_leave_other_rows_alone() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5], logits[:, 6] = 2.0, 1.5
+    penalized = _request(SamplingParams(temperature=0.0, presence_penalty=1.0), num_outputs=1)
+    plain = _request(SamplingParams(temperature=0.0), num_outputs=1)
+    assert _sample(logits, [penalized, plain]) == [6, 5]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    freq = _frequencies(_params(temperature=1.0, min_p=0.2), logits, 2000)  # below 0.1 goes
+    assert freq[3] == 0.0 and all(f > 0.0 for f in freq[:3].tolist())
+    freq = _frequencies(_params(temperature=1.0, min_p=0.7), logits, 300)
+    assert freq.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("nan")},
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+    ],
+    ids=str,
+)
+def test_out_of_range_penalties_and_min_p_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def test_logprobs_come_from_the_raw_logits() -> None:
