@@ -88,11 +88,11 @@ class BackgroundResources:
             return True
         detail = frames[1].bytes
         engine_index = int(detail) if detail.isdigit() else None
-        if engine_index not in self.engine_identities:
-            # Malformed, or about an engine this client does not have (any longer): no engine
-            # or monitor of this client sends that.
-            logger.warning("dropped a death notice about no engine of this client: %r", detail)
+        if engine_index is None:  # no engine or monitor of this client sends that
+            logger.warning("dropped a malformed death notice: %r", detail)
             return False
+        if engine_index not in self.engine_identities:
+            return False  # an engine this client removed (a stop, say) saying goodbye
         if engine_index in self.dead_engines and (
             engine_index in self.gone_engines or self.may_return(engine_index)
         ):
