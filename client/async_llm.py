@@ -86,8 +86,7 @@ class AsyncLLM:
         try:
             tokenizer = await link.load_tokenizer()
         except BaseException:
-            await link.close()
-            link.client.shutdown()
+            await link.shutdown()
             raise
         self = cls.__new__(cls)
         self._setup(link.membership.config, tokenizer, link.client, link)
@@ -281,8 +280,9 @@ class AsyncLLM:
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
         if self._link is not None:
-            await self._link.close()
-        self.engine_core.shutdown()
+            await self._link.shutdown()
+        else:
+            self.engine_core.shutdown()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

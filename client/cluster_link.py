@@ -18,13 +18,12 @@ import time
 from collections.abc import Awaitable, Collection
 
 import ray
-from ray.actor import ActorHandle
 
 from actors.membership import Membership
 from client.dp_client import DPLBAsyncMPClient
 from client.lb_policy import POLICIES
 from client.mp_client import EngineAttachError
-from cluster.launch import ClusterNotFoundError, is_stopped, registry_answers_again
+from cluster.launch import ClusterHandle, ClusterNotFoundError, is_stopped, registry_answers_again
 from cluster.launch import attach as attach_cluster
 from engine.errors import EngineDeadError, ModelLoadError
 from engine.protocol import EngineEndpoint, EngineFacts
@@ -45,15 +44,14 @@ class ClusterLink:
 
     def __init__(
         self,
-        registry: ActorHandle,
+        cluster: ClusterHandle,
         client: DPLBAsyncMPClient,
         membership: Membership,
         client_index: int,
         name: str,
-        namespace: str,
     ) -> None:
-        self.registry = registry
-        self.namespace = namespace
+        self.cluster = cluster
+        self.registry = cluster.registry
         self.client = client
         self.membership = membership
         self.client_index = client_index
@@ -118,7 +116,7 @@ class ClusterLink:
             raise
         # Ranks that die come back (Ray restarts them) and are attached again by the watch.
         client.resources.engines_can_return = True
-        link = cls(handle.registry, client, membership, client_index, client_name, namespace)
+        link = cls(handle, client, membership, client_index, client_name)
         # Every rank that answers is attached before the driver sends anything; one that does
         # not is reported (the registry restarts it if it hangs) and attached when it is back.
         await asyncio.gather(*await link._reconcile(membership))
@@ -126,8 +124,7 @@ class ClusterLink:
             try:
                 await link._wait_until_serving(deadline)
             except BaseException:
-                await link.close()
-                client.shutdown()
+                await link.shutdown()
                 raise
         return link
 
@@ -141,7 +138,7 @@ class ClusterLink:
         while not self.client.routable_ranks():
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"no rank of the cluster in namespace {self.namespace!r} serves yet"
+                    f"no rank of the cluster in namespace {self.cluster.namespace!r} serves yet"
                 )
             await asyncio.sleep(_READY_POLL_S)
 
@@ -161,11 +158,15 @@ class ClusterLink:
                 if not info.is_routable:
                     continue
                 with contextlib.suppress(ValueError, ray.exceptions.RayActorError):
-                    actor = ray.get_actor(info.actor_name, namespace=self.namespace)
-                    tokenizer: Tokenizer = await actor.tokenizer.remote()
+                    tokenizer: Tokenizer = await self.cluster.engine(info.rank).tokenizer.remote()
                     logger.info("%s; using rank %d's tokenizer", local_error, info.rank)
                     return tokenizer
             raise
+
+    async def shutdown(self) -> None:
+        """`close`, then shuts the client down."""
+        await self.close()
+        self.client.shutdown()
 
     async def close(self) -> None:
         """Stops watching and detaches from the registry; callable from any loop (the tasks of
@@ -222,7 +223,7 @@ class ClusterLink:
         One stopped with its cluster never does. Then no rank comes back either, so requests
         waiting for one fail at once, as do later ones.
         """
-        namespace = self.namespace
+        namespace = self.cluster.namespace
         if await asyncio.to_thread(
             registry_answers_again, self.registry, give_up=lambda: is_stopped(namespace)
         ):
@@ -244,9 +245,11 @@ class ClusterLink:
         if reported:  # the registry's probes took time: read the membership again
             membership = await self.registry.membership.remote()
         self.membership = membership
-        # A cluster with no ranks left (stopped, or scaled to nothing) has none to bring back:
-        # requests fail at once instead of waiting for one.
-        self.client.resources.engines_can_return = bool(membership.ranks)
+        # A cluster that is stopping, or has no ranks left, has none to bring back: requests
+        # fail at once instead of waiting for one.
+        self.client.resources.engines_can_return = bool(membership.ranks) and not (
+            membership.stopping
+        )
         publish_address = membership.stats_publish_address
         if publish_address is not None and publish_address != self.client.stats_address:
             logger.info("the coordinator moved; subscribing at %s", publish_address)

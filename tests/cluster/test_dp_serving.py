@@ -142,8 +142,7 @@ async def test_two_drivers_only_see_their_own_outputs(
                 finished.add(output.request_id)
     assert all(n == 5 for n in seen.values())
     assert all(len(o.outputs[0].token_ids) == 5 for o in await mine)
-    await other.close()
-    client.shutdown()
+    await other.shutdown()
 
 
 async def test_drivers_may_use_the_same_request_ids_on_one_rank(
