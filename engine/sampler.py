@@ -102,7 +102,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
         if not params.has_penalties:
             continue
         line = logits[row]
-        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=line.device)
         output = output[output < vocab]
         if params.repetition_penalty != 1.0:
             prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=line.device)
