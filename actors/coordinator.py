@@ -31,9 +31,9 @@ import msgspec
 import ray
 import zmq
 
-from actors.membership import Membership
-from actors.registry import REGISTRY_NAME
-from engine.protocol import DPStatsSnapshot, EngineStatsReport
+from shoal.actors.membership import Membership
+from shoal.actors.registry import REGISTRY_NAME
+from shoal.engine.protocol import DPStatsSnapshot, EngineStatsReport
 
 logger = logging.getLogger(__name__)
 

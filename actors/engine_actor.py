@@ -17,13 +17,13 @@ from typing import Any
 
 import ray
 
-from actors.membership import Membership
-from actors.registry import REGISTRY_NAME
-from engine.config import EngineConfig
-from engine.core_proc import EngineCoreProc
-from engine.errors import ModelLoadError
-from engine.protocol import EngineEndpoint
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.actors.membership import Membership
+from shoal.actors.registry import REGISTRY_NAME
+from shoal.engine.config import EngineConfig
+from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.protocol import EngineEndpoint
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.protocol import EngineEndpoint
+from shoal.engine.config import EngineConfig
+from shoal.engine.protocol import EngineEndpoint
 
 
 class RankState(enum.StrEnum):

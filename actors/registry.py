@@ -25,7 +25,7 @@ import msgspec
 import ray
 from ray.experimental import internal_kv
 
-from actors.engine_liveness import (
+from shoal.actors.engine_liveness import (
     ENGINE_PROBE_TIMEOUT_S,
     Liveness,
     find_actor,
@@ -33,9 +33,9 @@ from actors.engine_liveness import (
     restart_engine,
     watch_engine,
 )
-from actors.membership import ClientInfo, Membership, RankInfo, RankState
-from engine.config import EngineConfig
-from engine.protocol import EngineEndpoint
+from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.engine.config import EngineConfig
+from shoal.engine.protocol import EngineEndpoint
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client import LLM, SamplingParams
-from engine.loader import smollm2_gguf_path
+from shoal.client import LLM, SamplingParams
+from shoal.engine.loader import smollm2_gguf_path
 
 
 def make_workload(

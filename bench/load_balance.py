@@ -40,10 +40,10 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client import AsyncLLM, SamplingParams
-from cluster.launch import launch
-from cluster.placement import RankResources
-from engine.config import EngineConfig
+from shoal.client import AsyncLLM, SamplingParams
+from shoal.cluster.launch import launch
+from shoal.cluster.placement import RankResources
+from shoal.engine.config import EngineConfig
 from tests.factories import make_tiny_checkpoint
 
 TRACE = Path(__file__).with_name("traces") / "bursty_heavy_tail.json"

@@ -58,12 +58,12 @@ import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.async_llm import AsyncLLM
-from client.core_client import AsyncMPClient
-from engine.config import EngineConfig
-from engine.core_proc import start_engine_process, stop_engine_process
-from engine.engine_core import EngineCore
-from engine.protocol import (
+from shoal.client.async_llm import AsyncLLM
+from shoal.client.core_client import AsyncMPClient
+from shoal.engine.config import EngineConfig
+from shoal.engine.core_proc import start_engine_process, stop_engine_process
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -71,7 +71,7 @@ from engine.protocol import (
     SamplingParams,
     SchedulerStats,
 )
-from engine.serial import MsgpackEncoder
+from shoal.engine.serial import MsgpackEncoder
 
 OUTPUTS_PER_BATCH = 64
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

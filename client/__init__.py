@@ -1,8 +1,8 @@
 """Clients of engine cores: the seed's MPClient family, DP load balancing, and `LLM` / `AsyncLLM`."""
 
-from client.async_llm import AsyncLLM
-from client.llm import LLM
-from client.outputs import CompletionOutput, RequestOutput
-from engine.protocol import SamplingParams
+from shoal.client.async_llm import AsyncLLM
+from shoal.client.llm import LLM
+from shoal.client.outputs import CompletionOutput, RequestOutput
+from shoal.engine.protocol import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

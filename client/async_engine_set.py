@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from client.mp_client import (
+from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
     HELLO_RESEND_S,
     RECHECK_TIMEOUT_S,
@@ -28,8 +28,8 @@ from client.mp_client import (
     MPClient,
     send_hello,
 )
-from engine.errors import EngineDeadError
-from engine.protocol import EngineCoreOutputs, EngineEndpoint, EngineFacts
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import EngineCoreOutputs, EngineEndpoint, EngineFacts
 
 logger = logging.getLogger(__name__)
 

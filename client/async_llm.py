@@ -15,17 +15,17 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
-from client.async_mp_client import AsyncMPClient
-from client.output_processor import OutputProcessor, RequestOutputCollector
-from client.outputs import RequestOutput
-from client.prompts import PromptType, tokenize_prompt
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, RequestError
-from engine.protocol import EngineCoreRequest, SamplingParams, SchedulerStats
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.client.async_mp_client import AsyncMPClient
+from shoal.client.output_processor import OutputProcessor, RequestOutputCollector
+from shoal.client.outputs import RequestOutput
+from shoal.client.prompts import PromptType, tokenize_prompt
+from shoal.engine.config import EngineConfig
+from shoal.engine.errors import EngineDeadError, RequestError
+from shoal.engine.protocol import EngineCoreRequest, SamplingParams, SchedulerStats
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from client.cluster_link import ClusterLink
+    from shoal.client.cluster_link import ClusterLink
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class AsyncLLM:
         policy: str = "least_loaded",
         ready_timeout_s: float = 0.0,
     ) -> AsyncLLM:
-        """Attaches to a running shoal cluster (started by `shoal serve` or `cluster.launch`).
+        """Attaches to a running shoal cluster (started by `shoal serve` or `shoal.cluster.launch`).
 
         Args:
             namespace: the cluster's Ray namespace.
@@ -73,7 +73,7 @@ class AsyncLLM:
             ClusterNotFoundError: no cluster runs in the namespace (within `ready_timeout_s`).
             TimeoutError: no rank of the cluster served within `ready_timeout_s`.
         """
-        from client.cluster_link import ClusterLink
+        from shoal.client.cluster_link import ClusterLink
 
         link = await ClusterLink.attach(
             namespace,

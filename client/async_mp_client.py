@@ -4,7 +4,7 @@ The output socket is read by one persistent task (`process_outputs_socket`) inst
 thread; it routes utility replies to futures, EEP notifications to a new task, and outputs
 through the optional `process_engine_outputs` hook into an `asyncio.Queue`. Subclasses (DP,
 load balancing) hook in by defining those methods; this class knows nothing of ranks' load.
-How its engine set changes while it serves is `client.async_engine_set`'s.
+How its engine set changes while it serves is `shoal.client.async_engine_set`'s.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from client.async_engine_set import AsyncEngineSetMixin
-from client.engine_monitor import is_recheck_notice
-from client.mp_client import (
+from shoal.client.async_engine_set import AsyncEngineSetMixin
+from shoal.client.engine_monitor import is_recheck_notice
+from shoal.client.mp_client import (
     BackgroundResources,
     EngineIdentity,
     as_engine_error,
@@ -29,8 +29,8 @@ from client.mp_client import (
     format_exception,
     process_utility_output,
 )
-from engine.errors import EngineDeadError
-from engine.protocol import (
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -19,10 +19,10 @@ from typing import Any
 
 import zmq
 
-from client.engine_monitor import RECHECK_ATTACHED, EngineMonitor
-from engine.core_proc import stop_engine_process
-from engine.errors import EngineDeadError
-from engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
+from shoal.client.engine_monitor import RECHECK_ATTACHED, EngineMonitor
+from shoal.engine.core_proc import stop_engine_process
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class BackgroundResources:
 
         Returns:
             True for a data message; False for a RECHECK_ATTACHED notice (the asyncio client
-            acts on it; see `client.engine_monitor`), a repeated notice of a death, or one that
+            acts on it; see `shoal.client.engine_monitor`), a repeated notice of a death, or one that
             names no engine of this client (dropped).
 
         Raises:

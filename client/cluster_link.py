@@ -19,15 +19,20 @@ from collections.abc import Awaitable, Collection
 
 import ray
 
-from actors.membership import Membership
-from client.dp_client import DPLBAsyncMPClient
-from client.lb_policy import POLICIES
-from client.mp_client import EngineAttachError
-from cluster.launch import ClusterHandle, ClusterNotFoundError, is_stopped, registry_answers_again
-from cluster.launch import attach as attach_cluster
-from engine.errors import EngineDeadError, ModelLoadError
-from engine.protocol import EngineEndpoint, EngineFacts
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.actors.membership import Membership
+from shoal.client.dp_client import DPLBAsyncMPClient
+from shoal.client.lb_policy import POLICIES
+from shoal.client.mp_client import EngineAttachError
+from shoal.cluster.launch import (
+    ClusterHandle,
+    ClusterNotFoundError,
+    is_stopped,
+    registry_answers_again,
+)
+from shoal.cluster.launch import attach as attach_cluster
+from shoal.engine.errors import EngineDeadError, ModelLoadError
+from shoal.engine.protocol import EngineEndpoint, EngineFacts
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from client.async_engine_set import wait_for_engines
-from client.async_mp_client import AsyncMPClient
-from client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
-from engine.errors import EngineDeadError, RequestError
-from engine.protocol import (
+from shoal.client.async_engine_set import wait_for_engines
+from shoal.client.async_mp_client import AsyncMPClient
+from shoal.client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
+from shoal.engine.errors import EngineDeadError, RequestError
+from shoal.engine.protocol import (
     DPStatsSnapshot,
     EngineCoreOutputs,
     EngineCoreRequest,

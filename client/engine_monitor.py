@@ -27,7 +27,7 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
-from engine.protocol import ENGINE_CORE_DEAD
+from shoal.engine.protocol import ENGINE_CORE_DEAD
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.protocol import SchedulerStats
+from shoal.engine.protocol import SchedulerStats
 
 
 @dataclass

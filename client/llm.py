@@ -14,13 +14,18 @@ from typing import Any, Protocol, cast
 
 from tqdm import tqdm
 
-from client.output_processor import OutputProcessor
-from client.outputs import RequestOutput
-from client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.protocol import EngineCoreOutputs, EngineCoreRequest, SamplingParams, SchedulerStats
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.client.output_processor import OutputProcessor
+from shoal.client.outputs import RequestOutput
+from shoal.client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
+from shoal.engine.config import EngineConfig
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SamplingParams,
+    SchedulerStats,
+)
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
 
 class _EngineDriver(Protocol):
@@ -73,7 +78,7 @@ class LLM:
         self.tokenizer: Tokenizer = load_tokenizer(self.config.model.tokenizer or model)
         self._driver: _EngineDriver
         if multiprocess:
-            from client.core_client import SyncMPClient
+            from shoal.client.core_client import SyncMPClient
 
             self._driver = SyncMPClient.make_local(self.config)
         else:

@@ -3,8 +3,8 @@
 One ROUTER carries input to every engine (each connection named by the engine's identity) and
 one bound PULL receives every engine's outputs. `MPClient` owns the sockets, the HELLO handshake,
 the engine set (which may change at run time) and the engine monitor; the variants add how
-outputs are consumed: a thread (`client.sync_mp_client`) or an asyncio task
-(`client.async_mp_client`). The helpers at the end are shared by both consumers.
+outputs are consumed: a thread (`shoal.client.sync_mp_client`) or an asyncio task
+(`shoal.client.async_mp_client`). The helpers at the end are shared by both consumers.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from typing import Any, Literal, TypeVar
 import zmq
 import zmq.asyncio
 
-from client.background_resources import (
+from shoal.client.background_resources import (
     CLOSE_LINGER_MS,
     BackgroundResources,
     EngineIdentity,
     send_goodbye,
 )
-from client.engine_monitor import EngineMonitor
-from engine.config import EngineConfig
-from engine.core_proc import start_engine_process, stop_engine_process
-from engine.errors import EngineDeadError
-from engine.protocol import (
+from shoal.client.engine_monitor import EngineMonitor
+from shoal.engine.config import EngineConfig
+from shoal.engine.core_proc import start_engine_process, stop_engine_process
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     EngineEndpoint,
@@ -39,7 +39,7 @@ from engine.protocol import (
     EngineHello,
     UtilityOutput,
 )
-from engine.serial import MsgpackDecoder, MsgpackEncoder
+from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 

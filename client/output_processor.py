@@ -11,16 +11,16 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from engine.protocol import (
+from shoal.client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
     RequestOutputKind,
     TokenLogprobs,
 )
-from engine.tokenizer import Tokenizer
+from shoal.engine.tokenizer import Tokenizer
 
 
 class RequestOutputCollector:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
-from engine.tokenizer import Tokenizer
+from shoal.engine.tokenizer import Tokenizer
 
 # Text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType: TypeAlias = "str | list[int] | dict[str, Any]"

@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from client.engine_monitor import is_recheck_notice
-from client.mp_client import (
+from shoal.client.engine_monitor import is_recheck_notice
+from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
     RECHECK_TIMEOUT_S,
     AnyFuture,
@@ -35,8 +35,8 @@ from client.mp_client import (
     process_utility_output,
     send_hello,
 )
-from engine.errors import EngineDeadError
-from engine.protocol import (
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -219,7 +219,7 @@ class SyncMPClient(MPClient):
 
     def _recheck_attached(self) -> None:
         """Asks every attached engine whether it still counts this client attached, if the
-        output thread was told to (RECHECK_ATTACHED: see `client.engine_monitor`).
+        output thread was told to (RECHECK_ATTACHED: see `shoal.client.engine_monitor`).
 
         Runs in the caller's thread, before its next send or while it waits, as the question
         is a send: a repeated HELLO on the same connection, which an engine that still has

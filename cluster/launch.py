@@ -27,16 +27,16 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-from actors.engine_actor import (
+from shoal.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+from shoal.actors.engine_actor import (
     ENGINE_ACTOR_MAX_CONCURRENCY,
     ENGINE_ACTOR_PREFIX,
     EngineCoreActor,
     engine_actor_name,
 )
-from actors.membership import Membership
-from actors.registry import REGISTRY_NAME, STATE_KEY, RegistryActor
-from cluster.placement import (
+from shoal.actors.membership import Membership
+from shoal.actors.registry import REGISTRY_NAME, STATE_KEY, RegistryActor
+from shoal.cluster.placement import (
     PlacementStrategy,
     RankResources,
     create_rank_placement_group,
@@ -44,7 +44,7 @@ from cluster.placement import (
     plan_nodes,
     remove_cluster_placement_groups,
 )
-from engine.config import EngineConfig
+from shoal.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

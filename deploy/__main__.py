@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from deploy.cli import main
+from shoal.deploy.cli import main
 
 sys.exit(main())

@@ -21,8 +21,8 @@ from typing import Any
 
 import ray
 
-from cluster.launch import ClusterHandle, ClusterNotFoundError, attach
-from deploy import demo, generate, serve
+from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, attach
+from shoal.deploy import demo, generate, serve
 
 logger = logging.getLogger("shoal")
 

@@ -16,17 +16,17 @@ from collections import Counter
 
 import ray
 
-from client import AsyncLLM
-from cluster.launch import launch
-from cluster.placement import RankResources
-from deploy.generate import (
+from shoal.client import AsyncLLM
+from shoal.cluster.launch import launch
+from shoal.cluster.placement import RankResources
+from shoal.deploy.generate import (
     add_sampling_args,
     print_answer,
     sampling_params_from_args,
     stream_prompts,
 )
-from engine.config import EngineConfig
-from engine.loader import smollm2_gguf_path
+from shoal.engine.config import EngineConfig
+from shoal.engine.loader import smollm2_gguf_path
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"cluster ready in {time.monotonic() - start:.1f} s", flush=True)
         asyncio.run(_drive(args.namespace, args))
-        from deploy.cli import format_status
+        from shoal.deploy.cli import format_status
 
         print("\n" + format_status(cluster.status()), flush=True)
     finally:

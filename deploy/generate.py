@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from client import AsyncLLM, SamplingParams
-from client.outputs import RequestOutput
-from client.prompts import PromptType, chat_prompt
+from shoal.client import AsyncLLM, SamplingParams
+from shoal.client.outputs import RequestOutput
+from shoal.client.prompts import PromptType, chat_prompt
 
 
 @dataclass
@@ -117,7 +117,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    from deploy.serve import add_ray_args
+    from shoal.deploy.serve import add_ray_args
 
     add_ray_args(parser)
     parser.add_argument(

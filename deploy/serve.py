@@ -1,4 +1,4 @@
-"""`shoal serve` / `python -m deploy.serve`: launch a named cluster and serve until stopped.
+"""`shoal serve` / `python -m shoal.deploy.serve`: launch a named cluster and serve until stopped.
 
 This is the command users put behind `ray job submit -- ...`. It connects to Ray, launches
 the cluster, logs one line with the namespace and ranks once every rank serves, then waits
@@ -20,15 +20,15 @@ from types import FrameType
 
 import ray
 
-from cluster.launch import (
+from shoal.cluster.launch import (
     DEFAULT_NAMESPACE,
     READY_TIMEOUT_S,
     ClusterExistsError,
     EngineStartError,
     launch,
 )
-from cluster.placement import RankResources
-from engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
+from shoal.cluster.placement import RankResources
+from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
 logger = logging.getLogger("shoal.serve")
 
@@ -187,7 +187,7 @@ def configure_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m deploy.serve ARGS`, the same as `shoal serve ARGS`."""
+    """`python -m shoal.deploy.serve ARGS`, the same as `shoal serve ARGS`."""
     parser = argparse.ArgumentParser(prog="shoal serve", description=__doc__)
     add_serve_args(parser)
     configure_logging()

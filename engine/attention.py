@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.paged_attention_kernel import PagedDecodeKernel
+from shoal.engine.paged_attention_kernel import PagedDecodeKernel
 
 # A decode group is split where the padding it would save exceeds this many tokens: below it,
 # one more gather + matmul per layer costs more than attending over the padding.

@@ -1,7 +1,7 @@
 """The physical KV block pool: reference counts, the LRU free queue and the prefix-cache index.
 
 Owns the bookkeeping of block ids 0..num_blocks-1 only. The model runner owns the KV tensors,
-and which request holds which blocks is `engine.kv_cache`'s business. No torch.
+and which request holds which blocks is `shoal.engine.kv_cache`'s business. No torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the `Op` tags of the work items that travel between the IO threads and the busy 
 
 The input thread owns the bound ROUTER and every client's connection state; it decodes,
 validates and queues work for the busy loop. It does not know what a step does (the busy loop
-lives in `engine.core_proc`) nor how outputs are sent (`engine.core_output`).
+lives in `shoal.engine.core_proc`) nor how outputs are sent (`shoal.engine.core_output`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, cast
 import msgspec
 import zmq
 
-from engine.protocol import (
+from shoal.engine.protocol import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,7 +30,13 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import MsgpackDecoder, MsgpackEncoder, peek_call_id, peek_request_id, tag_structs
+from shoal.engine.serial import (
+    MsgpackDecoder,
+    MsgpackEncoder,
+    peek_call_id,
+    peek_request_id,
+    tag_structs,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 It owns the per-client PUSH sockets and the stats PUSH, and lends them to the busy loop while it
 is idle (`send_or_submit`). The input side — the ROUTER and the client connection state
-machine — is `engine.core_io`.
+machine — is `shoal.engine.core_io`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,14 @@ from typing import Any
 
 import zmq
 
-from engine.core_io import Op, close_monitored
-from engine.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineStatsReport, UtilityOutput
-from engine.serial import MsgpackEncoder
+from shoal.engine.core_io import Op, close_monitored
+from shoal.engine.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineStatsReport,
+    UtilityOutput,
+)
+from shoal.engine.serial import MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The busy loop runs in whichever thread calls `run_busy_loop()` (a process's main thread, or a
 Ray actor's background thread); nothing here assumes the main thread or signals, except the
-process entry `run_engine_core`. Framing and connection handling live in `engine.core_io`.
+process entry `run_engine_core`. Framing and connection handling live in `shoal.engine.core_io`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
-from engine.core_io import InputThread, Op
-from engine.core_output import OutputThread
-from engine.engine_core import EngineCore
-from engine.protocol import (
+from shoal.engine.config import EngineConfig
+from shoal.engine.core_io import InputThread, Op
+from shoal.engine.core_output import OutputThread
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineEndpoint,
     EngineStatsReport,
@@ -38,8 +38,8 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import tag_structs
-from engine.step_watchdog import StepWatchdog
+from shoal.engine.serial import tag_structs
+from shoal.engine.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class EngineCoreProc:
     clients may attach before `run_busy_loop()` is called (their work waits for it).
 
     Wire, client → engine (ROUTER): `[client_routing_id, request_type, *payload]`, the type one
-    byte of `EngineCoreRequestType`, the payload `engine.serial` frames:
+    byte of `EngineCoreRequestType`, the payload `shoal.engine.serial` frames:
 
         HELLO    EngineHello       → on a new PUSH to its output_address: UtilityOutput(call_id,
                                      result=EngineFacts), or a failure_message (refused)
@@ -75,7 +75,7 @@ class EngineCoreProc:
 
     Engine → client (PUSH per client): one `EngineCoreOutputs` per message, or
     `[ENGINE_CORE_DEAD, b"<engine_index>"]` when the engine stops. A client's connection states
-    are documented on `engine.core_io._ClientConnection`.
+    are documented on `shoal.engine.core_io._ClientConnection`.
 
     Args:
         config: the engine's configuration.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from shoal.engine.tokenizer import Tokenizer
 
 # Tokens of context decoded before the first new token, so the first delta gets the spacing a
 # whole-sequence decode would give it (sentencepiece drops a leading space on a lone token).

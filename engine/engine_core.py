@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.loader import load_model_arch, load_weights
-from engine.model_arch import ModelArch
-from engine.model_runner import ModelRunner
-from engine.protocol import (
+from shoal.engine.config import EngineConfig
+from shoal.engine.loader import load_model_arch, load_weights
+from shoal.engine.model_arch import ModelArch
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -25,9 +25,9 @@ from engine.protocol import (
     FinishReason,
     SchedulerStats,
 )
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput
+from shoal.engine.request import Request
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping per request: block tables, prefix-cache hits and registration.
 
 Owns which blocks each request holds and the chain of block hashes of its full blocks; the
-physical pool (reference counts, free queue, index) is `engine.block_pool`. It does not know
+physical pool (reference counts, free queue, index) is `shoal.engine.block_pool`. It does not know
 about scheduling policy, and the model runner owns the tensors. No torch.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import ROOT_BLOCK_HASH, BlockPool
-from engine.request import Request
+from shoal.engine.block_pool import ROOT_BLOCK_HASH, BlockPool
+from shoal.engine.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:

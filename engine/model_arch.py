@@ -1,6 +1,6 @@
 """`ModelArch`: the architecture facts of a checkpoint, as the models and the engine need them.
 
-Discovered by `engine.loader` from `config.json` or GGUF metadata and held by the engine core;
+Discovered by `shoal.engine.loader` from `config.json` or GGUF metadata and held by the engine core;
 never a user setting.
 """
 

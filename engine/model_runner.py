@@ -13,14 +13,14 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, build_attention_metadata, token_positions
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.model_arch import ModelArch
-from engine.models import LlamaForCausalLM, get_model_class
-from engine.models.layers import can_pack_weights
-from engine.paged_attention_kernel import PagedDecodeKernel, is_supported, load_decode_kernel
-from engine.sampler import Sampler
-from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from shoal.engine.attention import AttentionMetadata, build_attention_metadata, token_positions
+from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from shoal.engine.model_arch import ModelArch
+from shoal.engine.models import LlamaForCausalLM, get_model_class
+from shoal.engine.models.layers import can_pack_weights
+from shoal.engine.paged_attention_kernel import PagedDecodeKernel, is_supported, load_decode_kernel
+from shoal.engine.sampler import Sampler
+from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 _CPU_KV_CACHE_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

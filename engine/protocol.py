@@ -3,7 +3,7 @@
 Every struct here crosses a ZMQ socket. They are `array_like` (encoded as msgpack arrays, so
 field order is the format) and `omit_defaults`; new fields are only ever appended, with
 defaults, so an older peer still decodes a newer frame. Framing (one-byte request types,
-out-of-band tensor frames) is described in `engine.serial` and `engine.core_proc`.
+out-of-band tensor frames) is described in `shoal.engine.serial` and `shoal.engine.core_proc`.
 """
 
 from __future__ import annotations

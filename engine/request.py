@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from shoal.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import SamplingParams, TokenLogprobs
-from engine.request import Request
+from shoal.engine.protocol import SamplingParams, TokenLogprobs
+from shoal.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
 # Top-p looks for the nucleus among this many most likely tokens first, then among the wider

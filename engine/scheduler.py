@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.errors import RequestError
-from engine.kv_cache import KVCacheManager
-from engine.protocol import EngineCoreOutput, SchedulerStats
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from shoal.engine.config import CacheConfig, SchedulerConfig
+from shoal.engine.errors import RequestError
+from shoal.engine.kv_cache import KVCacheManager
+from shoal.engine.protocol import EngineCoreOutput, SchedulerStats
+from shoal.engine.request import Request, RequestStatus
+from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def _cdiv(a: int, b: int) -> int:

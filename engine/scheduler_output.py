@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.protocol import TokenLogprobs
-from engine.request import Request
+from shoal.engine.protocol import TokenLogprobs
+from shoal.engine.request import Request
 
 
 @dataclass(frozen=True)

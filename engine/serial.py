@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zmq
 
-from engine import protocol
+from shoal.engine import protocol
 
 # Arrays of at most this many bytes are inlined in the main frame: a separate ZMQ frame
 # costs more than copying a few hundred bytes.

@@ -13,10 +13,10 @@ from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.errors import ModelLoadError
-from engine.loader import is_gguf_path
-from engine.loader.gguf_tokenizer import load_gguf_tokenizer
-from engine.loader.hf_config import read_json
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader import is_gguf_path
+from shoal.engine.loader.gguf_tokenizer import load_gguf_tokenizer
+from shoal.engine.loader.hf_config import read_json
 
 
 class Tokenizer:

@@ -18,8 +18,8 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.errors import ModelLoadError
-from engine.loader import smollm2_gguf_path
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader import smollm2_gguf_path
 
 Arch = Literal["llama", "qwen2", "mixtral"]
 ConfigStyle = Literal["v5", "v4"]

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from client import LLM, AsyncLLM, SamplingParams
+from shoal.client import LLM, AsyncLLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_OK = "['ok', 'ok', 'ok', 'ok']"

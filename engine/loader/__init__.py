@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.errors import ModelLoadError
-from engine.loader.builtin import smollm2_gguf_path
-from engine.loader.gguf_arch import model_arch_from_gguf
-from engine.loader.hf_config import model_arch_from_hf_dir
-from engine.loader.safetensors_loader import iter_safetensors_weights, weight_files
-from engine.model_arch import ModelArch
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader.builtin import smollm2_gguf_path
+from shoal.engine.loader.gguf_arch import model_arch_from_gguf
+from shoal.engine.loader.hf_config import model_arch_from_hf_dir
+from shoal.engine.loader.safetensors_loader import iter_safetensors_weights, weight_files
+from shoal.engine.model_arch import ModelArch
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,7 @@ def load_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     if is_gguf_path(path):
         # Imported here so that metadata and tokenizer users never pay for importing torch.
-        from engine.loader.gguf_loader import iter_gguf_weights
+        from shoal.engine.loader.gguf_loader import iter_gguf_weights
 
         return iter_gguf_weights(path)
     model_dir = _checkpoint_dir(path)

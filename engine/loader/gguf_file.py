@@ -2,7 +2,7 @@
 
 It parses the header with `struct` and maps the data section with numpy, so reading metadata
 costs milliseconds even for a vocabulary of 50k strings. It knows nothing of model architectures
-or tokenizers; `gguf_loader` and `engine.tokenizer` interpret what it returns.
+or tokenizers; `gguf_loader` and `shoal.engine.tokenizer` interpret what it returns.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.errors import ModelLoadError
+from shoal.engine.errors import ModelLoadError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32

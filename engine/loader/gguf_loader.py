@@ -15,10 +15,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.errors import ModelLoadError
-from engine.loader.gguf_arch import model_arch_from_gguf
-from engine.loader.gguf_file import GGUFFile, read_gguf
-from engine.model_arch import ModelArch
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader.gguf_arch import model_arch_from_gguf
+from shoal.engine.loader.gguf_file import GGUFFile, read_gguf
+from shoal.engine.model_arch import ModelArch
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",

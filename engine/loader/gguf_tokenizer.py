@@ -13,8 +13,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.errors import ModelLoadError
-from engine.loader.gguf_file import read_gguf
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader.gguf_file import read_gguf
 
 # llama.cpp token types (llama_token_type).
 _TOKEN_TYPE_CONTROL = 3

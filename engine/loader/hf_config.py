@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
-from engine.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",

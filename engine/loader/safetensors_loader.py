@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import ModelLoadError
-from engine.loader.hf_config import read_json
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader.hf_config import read_json
 
 if TYPE_CHECKING:
     import torch

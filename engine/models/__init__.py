@@ -7,9 +7,9 @@ Every class takes `(arch, *, max_position, dtype, device)`, loads HF-named tenso
 
 from __future__ import annotations
 
-from engine.errors import ModelLoadError
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from engine.models.mixtral import MixtralForCausalLM
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from shoal.engine.models.mixtral import MixtralForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, AttentionWorkspace, PagedAttention
-from engine.model_arch import ModelArch
-from engine.models.layers import (
+from shoal.engine.attention import AttentionMetadata, AttentionWorkspace, PagedAttention
+from shoal.engine.model_arch import ModelArch
+from shoal.engine.models.layers import (
     FeedForward,
     GatedMLP,
     Linear,

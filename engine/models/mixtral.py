@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_arch import ModelArch
-from engine.models.layers import (
+from shoal.engine.model_arch import ModelArch
+from shoal.engine.models.layers import (
     FeedForward,
     Linear,
     WeightMap,
@@ -24,7 +24,7 @@ from engine.models.layers import (
     packed_linear,
     silu_and_mul,
 )
-from engine.models.llama import LlamaForCausalLM
+from shoal.engine.models.llama import LlamaForCausalLM
 
 
 class MixtralExperts(nn.Module):

@@ -13,8 +13,8 @@ import pytest
 import ray
 import zmq
 
-from actors.coordinator import CoordinatorActor, bind_previous_or_new
-from engine.protocol import DPStatsSnapshot, EngineStatsReport, SchedulerStats
+from shoal.actors.coordinator import CoordinatorActor, bind_previous_or_new
+from shoal.engine.protocol import DPStatsSnapshot, EngineStatsReport, SchedulerStats
 
 _decoder = msgspec.msgpack.Decoder(DPStatsSnapshot)
 _encoder = msgspec.msgpack.Encoder()

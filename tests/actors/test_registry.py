@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import ray
 
-from actors.engine_liveness import ENGINE_WATCH_METHOD
-from actors.membership import RankState
-from actors.registry import RegistryActor
-from engine.config import EngineConfig
-from engine.protocol import EngineEndpoint
+from shoal.actors.engine_liveness import ENGINE_WATCH_METHOD
+from shoal.actors.membership import RankState
+from shoal.actors.registry import RegistryActor
+from shoal.engine.config import EngineConfig
+from shoal.engine.protocol import EngineEndpoint
 from tests.ray_utils import unique_namespace
 
 CONFIG = EngineConfig.from_kwargs("/models/none", data_parallel_size=2)

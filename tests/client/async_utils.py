@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from client.core_client import AsyncMPClient
-from engine.protocol import EngineCoreOutput
+from shoal.client.core_client import AsyncMPClient
+from shoal.engine.protocol import EngineCoreOutput
 
 TIMEOUT_S = 10.0
 

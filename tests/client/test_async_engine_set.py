@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from client.core_client import AsyncMPClient
-from client.dp_client import DPLBAsyncMPClient
-from engine.errors import EngineDeadError
-from engine.protocol import DPStatsSnapshot, EngineFacts, EngineStatsReport, SchedulerStats
+from shoal.client.core_client import AsyncMPClient
+from shoal.client.dp_client import DPLBAsyncMPClient
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import DPStatsSnapshot, EngineFacts, EngineStatsReport, SchedulerStats
 from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, running_engine, tiny_config
 
@@ -191,8 +191,8 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
 
 _REMOVE_AND_ADD_AGAIN = """
 import asyncio, sys
-from client.core_client import AsyncMPClient
-from engine.protocol import EngineEndpoint
+from shoal.client.core_client import AsyncMPClient
+from shoal.engine.protocol import EngineEndpoint
 from tests.engine.core_proc_utils import request
 
 async def main(identity, address):

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from client import LLM, AsyncLLM, SamplingParams
-from engine.errors import EngineDeadError, RequestError
-from engine.protocol import RequestOutputKind
+from shoal.client import LLM, AsyncLLM, SamplingParams
+from shoal.engine.errors import EngineDeadError, RequestError
+from shoal.engine.protocol import RequestOutputKind
 from tests.factories import make_tiny_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

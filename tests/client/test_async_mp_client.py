@@ -15,10 +15,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from client.core_client import AsyncMPClient, EngineUtilityError
-from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError
-from engine.protocol import (
+from shoal.client.core_client import AsyncMPClient, EngineUtilityError
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -28,7 +28,7 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import MsgpackEncoder
+from shoal.engine.serial import MsgpackEncoder
 from tests.client.async_utils import TIMEOUT_S, collect
 from tests.engine.core_proc_utils import (
     MALFORMED_OUTPUT_MESSAGES,

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import zmq
 
-from client import AsyncLLM, SamplingParams
-from client.core_client import AsyncMPClient, SyncMPClient
-from engine.core_proc import start_engine_process, stop_engine_process
-from engine.errors import EngineDeadError
-from engine.protocol import (
+from shoal.client import AsyncLLM, SamplingParams
+from shoal.client.core_client import AsyncMPClient, SyncMPClient
+from shoal.engine.core_proc import start_engine_process, stop_engine_process
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineEndpoint,
     EngineFacts,
@@ -28,7 +28,7 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import MsgpackDecoder, MsgpackEncoder, tag_structs
+from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder, tag_structs
 from tests.engine.core_proc_utils import (
     ServedEngine,
     request,
@@ -244,8 +244,8 @@ async def test_fatal_engine_error_reaches_the_async_client(engine_checkpoint: st
 
 _VICTIM_CLIENT = """
 import sys, time
-from client.core_client import SyncMPClient
-from engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
+from shoal.client.core_client import SyncMPClient
+from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
 endpoint = EngineEndpoint(0, bytes.fromhex(sys.argv[1]), sys.argv[2])
 client = SyncMPClient([endpoint], client_index=7)
 params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from client.lb_policy import LeastLoadedPolicy, QueueLengthPolicy, RoundRobinPolicy
-from engine.protocol import SchedulerStats
+from shoal.client.lb_policy import LeastLoadedPolicy, QueueLengthPolicy, RoundRobinPolicy
+from shoal.engine.protocol import SchedulerStats
 
 
 def test_least_loaded_prefers_the_rank_with_fewer_pending_tokens() -> None:

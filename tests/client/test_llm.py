@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from client import LLM, SamplingParams
-from engine.errors import ModelLoadError
+from shoal.client import LLM, SamplingParams
+from shoal.engine.errors import ModelLoadError
 from tests.factories import hf_reference, make_tiny_checkpoint, smollm2_path
 from tests.reference import assert_greedy_matches, hf_greedy
 

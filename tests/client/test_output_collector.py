@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from client.output_processor import RequestOutputCollector
-from client.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.protocol import RequestOutputKind
+from shoal.client.output_processor import RequestOutputCollector
+from shoal.client.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from shoal.engine.protocol import RequestOutputKind
 
 
 def _output(text: str, token_id: int, finished: bool = False) -> RequestOutput:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-import client.async_mp_client as async_mp_client
-from client.core_client import AsyncMPClient
+import shoal.client.async_mp_client as async_mp_client
+from shoal.client.core_client import AsyncMPClient
 from tests.client.async_utils import TIMEOUT_S
 from tests.engine.core_proc_utils import (
     ServedEngine,

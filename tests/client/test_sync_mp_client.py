@@ -11,9 +11,9 @@ import weakref
 import pytest
 import zmq
 
-from client.core_client import EngineAttachError, EngineUtilityError, SyncMPClient
-from engine.errors import EngineDeadError
-from engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
+from shoal.client.core_client import EngineAttachError, EngineUtilityError, SyncMPClient
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import EngineCoreOutput, FinishReason, SchedulerStats
 from tests.engine.core_proc_utils import (
     MALFORMED_OUTPUT_MESSAGES,
     NUM_BLOCKS,

@@ -18,17 +18,17 @@ import pytest
 import pytest_asyncio
 import ray
 
-from actors.membership import RankState
-from client import AsyncLLM, SamplingParams
-from client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
-from client.dp_client import DPLBAsyncMPClient
-from client.mp_client import ENGINE_RETURN_WAIT_S
-from client.outputs import RequestOutput
-from cluster.launch import ClusterHandle, ClusterNotFoundError, launch
-from cluster.placement import RankResources
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError
-from engine.protocol import DPStatsSnapshot, EngineCoreRequest
+from shoal.actors.membership import RankState
+from shoal.client import AsyncLLM, SamplingParams
+from shoal.client.cluster_link import ATTACH_TIMEOUT_S, ClusterLink
+from shoal.client.dp_client import DPLBAsyncMPClient
+from shoal.client.mp_client import ENGINE_RETURN_WAIT_S
+from shoal.client.outputs import RequestOutput
+from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, launch
+from shoal.cluster.placement import RankResources
+from shoal.engine.config import EngineConfig
+from shoal.engine.errors import EngineDeadError
+from shoal.engine.protocol import DPStatsSnapshot, EngineCoreRequest
 from tests.factories import make_tiny_checkpoint
 from tests.pausable_driver import ALL_OK, pause_and_resume
 from tests.ray_utils import ray_env, unique_namespace

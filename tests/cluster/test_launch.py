@@ -11,9 +11,9 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from actors.membership import Membership, RankState
-from client.core_client import SyncMPClient
-from cluster.launch import (
+from shoal.actors.membership import Membership, RankState
+from shoal.client.core_client import SyncMPClient
+from shoal.cluster.launch import (
     ClusterExistsError,
     ClusterHandle,
     ClusterNotFoundError,
@@ -21,9 +21,9 @@ from cluster.launch import (
     attach,
     launch,
 )
-from cluster.placement import RankResources, live_placement_group_names
-from engine.config import EngineConfig
-from engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
+from shoal.cluster.placement import RankResources, live_placement_group_names
+from shoal.engine.config import EngineConfig
+from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
 

@@ -6,7 +6,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
-from cluster.placement import (
+from shoal.cluster.placement import (
     RankResources,
     create_rank_placement_group,
     live_placement_group_names,

@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 
-from cluster.placement import RankResources, create_rank_placement_group, plan_nodes
+from shoal.cluster.placement import RankResources, create_rank_placement_group, plan_nodes
 from tests.ray_utils import RayHead, start_ray_worker, stop_process_group, unique_namespace
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from cluster.placement import live_placement_group_names
-from deploy import cli, serve
-from engine.config import EngineConfig, engine_kwargs_from_cli
+from shoal.cluster.placement import live_placement_group_names
+from shoal.deploy import cli, serve
+from shoal.engine.config import EngineConfig, engine_kwargs_from_cli
 from tests.factories import make_tiny_checkpoint, smollm2_path
 from tests.ray_utils import REPO_ROOT, free_port, ray_env, ray_local, unique_namespace
 
@@ -47,7 +47,7 @@ def test_serve_flags_map_onto_the_engine_config() -> None:
     assert (args.namespace, args.address, args.num_gpus_per_rank) == ("prod", "auto", 2.0)
     assert args.placement_strategy == "spread" and not args.detached
 
-    # `python -m deploy.serve ARGS` parses exactly like `shoal serve ARGS`.
+    # `python -m shoal.deploy.serve ARGS` parses exactly like `shoal serve ARGS`.
     parser = argparse.ArgumentParser()
     serve.add_serve_args(parser)
     assert vars(parser.parse_args(argv)) == {k: v for k, v in vars(args).items() if k != "command"}

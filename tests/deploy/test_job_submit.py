@@ -1,4 +1,4 @@
-"""End to end on a real `ray start --head`: `ray job submit -- python -m deploy.serve ...`,
+"""End to end on a real `ray start --head`: `ray job submit -- python -m shoal.deploy.serve ...`,
 a separate driver process (`shoal generate`) attaches by namespace and completes requests,
 `shoal status` lists both ranks, `shoal stop` leaves no actor and no placement group.
 """
@@ -76,10 +76,10 @@ def _status_json(head: RayHead, namespace: str) -> dict[str, Any] | None:
 
 @pytest.fixture
 def served_cluster(ray_head: RayHead, checkpoint: str) -> Iterator[ServedCluster]:
-    """Submits `python -m deploy.serve` as a Ray job and waits until every rank serves."""
+    """Submits `python -m shoal.deploy.serve` as a Ray job and waits until every rank serves."""
     namespace = unique_namespace("served")
     submission_id = f"shoal-{namespace}"
-    entrypoint = [sys.executable, "-m", "deploy.serve", *_serve_args(checkpoint, namespace)]
+    entrypoint = [sys.executable, "-m", "shoal.deploy.serve", *_serve_args(checkpoint, namespace)]
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}}
     submit = subprocess.run(
         [
@@ -184,7 +184,7 @@ def test_job_submit_serve_status_stop(served_cluster: ServedCluster) -> None:
 def test_serve_tears_down_and_exits_0_on_sigterm(ray_head: RayHead, checkpoint: str) -> None:
     namespace = unique_namespace("sigterm")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "deploy.serve", *_serve_args(checkpoint, namespace),
+        [sys.executable, "-m", "shoal.deploy.serve", *_serve_args(checkpoint, namespace),
          "--address", ray_head.gcs_address],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(), cwd=REPO_ROOT,
     )  # fmt: skip

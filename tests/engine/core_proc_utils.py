@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
-from engine.core_proc import EngineCoreProc
-from engine.protocol import (
+from shoal.engine.config import EngineConfig
+from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -28,7 +28,7 @@ from engine.protocol import (
     SamplingParams,
     UtilityOutput,
 )
-from engine.serial import MsgpackDecoder, MsgpackEncoder
+from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 import transformers
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.model_arch import ModelArch
-from engine.model_runner import ModelRunner
-from engine.protocol import SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from shoal.engine.model_arch import ModelArch
+from shoal.engine.model_runner import ModelRunner
+from shoal.engine.protocol import SamplingParams
+from shoal.engine.request import Request
+from shoal.engine.sampler import Sampler, SamplerOutput
+from shoal.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 VOCAB = 96
 _COMMON: dict[str, Any] = dict(

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.protocol import EngineCoreOutput, FinishReason, SamplingParams
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.engine.config import CacheConfig, SchedulerConfig
+from shoal.engine.protocol import EngineCoreOutput, FinishReason, SamplingParams
+from shoal.engine.request import Request
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 VOCAB_SIZE = 1000
 EOS_TOKEN_ID = VOCAB_SIZE  # never produced by `context_token`

@@ -8,9 +8,9 @@ from typing import Any
 
 import zmq
 
-from engine.core_io import InputThread, Op, close_monitored
-from engine.protocol import EngineCoreRequestType, EngineFacts, EngineHello
-from engine.serial import MsgpackEncoder
+from shoal.engine.core_io import InputThread, Op, close_monitored
+from shoal.engine.protocol import EngineCoreRequestType, EngineFacts, EngineHello
+from shoal.engine.serial import MsgpackEncoder
 
 FACTS = EngineFacts(0, b"engine-0", "tiny", 128, 10, 16, 512)
 

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import zmq
 
-from engine.core_io import Op
-from engine.core_output import OutputThread
-from engine.core_proc import EngineCoreProc, start_engine_process
-from engine.protocol import (
+from shoal.engine.core_io import Op
+from shoal.engine.core_output import OutputThread
+from shoal.engine.core_proc import EngineCoreProc, start_engine_process
+from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -25,7 +25,7 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import peek_call_id, peek_request_id
+from shoal.engine.serial import peek_call_id, peek_request_id
 from tests.engine.core_proc_utils import (
     NUM_BLOCKS,
     RawPeer,

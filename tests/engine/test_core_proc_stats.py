@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from engine.protocol import EngineCoreRequestType, EngineFacts, EngineStatsReport
+from shoal.engine.protocol import EngineCoreRequestType, EngineFacts, EngineStatsReport
 from tests.engine.core_proc_utils import RawPeer, call_utility, request, running_engine, tiny_config
 
 ADD = EngineCoreRequestType.ADD

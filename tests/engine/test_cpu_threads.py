@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.engine_core import EngineCore
+from shoal.engine.engine_core import EngineCore
 from tests.engine.core_proc_utils import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""engine.detokenizer: streamed text equals a whole decode, split characters, stop strings."""
+"""shoal.engine.detokenizer: streamed text equals a whole decode, split characters, stop strings."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import IncrementalDetokenizer, check_stop_strings, find_stop_string
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, find_stop_string
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 from tests.factories import make_tokenizer_json, smollm2_path
 
 TEXTS = [

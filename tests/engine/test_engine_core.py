@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
+from shoal.engine.config import EngineConfig
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from tests.factories import make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import KVCacheManager
-from engine.protocol import SamplingParams
-from engine.request import Request
+from shoal.engine.kv_cache import KVCacheManager
+from shoal.engine.protocol import SamplingParams
+from shoal.engine.request import Request
 
 BLOCK_SIZE = 4
 

@@ -1,4 +1,4 @@
-"""engine.loader: config parsing (both transformers styles), weights vs transformers, GGUF, errors."""
+"""shoal.engine.loader: config parsing (both transformers styles), weights vs transformers, GGUF, errors."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import ModelLoadError
-from engine.loader import is_gguf_path, load_model_arch, load_weights, smollm2_gguf_path
-from engine.loader.gguf_loader import unpermute_rotary_rows
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader import is_gguf_path, load_model_arch, load_weights, smollm2_gguf_path
+from shoal.engine.loader.gguf_loader import unpermute_rotary_rows
 from tests.factories import (
     Arch,
     ConfigStyle,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.attention
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner, resolve_dtype
-from engine.protocol import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+import shoal.engine.attention as attention_module
+from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from shoal.engine.model_runner import ModelRunner, resolve_dtype
+from shoal.engine.protocol import SamplingParams
+from shoal.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.engine.model_utils import (
     BlockPool,
     Driver,
@@ -98,7 +98,7 @@ def test_shuffled_block_tables_and_decode_groups(
 ) -> None:
     # Very different context lengths, non-contiguous shuffled blocks; decodes attended in
     # per-length groups (split) or padded to the longest (one group): same tokens either way.
-    monkeypatch.setattr(engine.attention, "_DECODE_SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(attention_module, "_DECODE_SPLIT_TOKENS", split_tokens)
     monkeypatch.setenv("SHOAL_DISABLE_CPU_KERNEL", "1")  # exercise the torch gather path
     prompts = random_prompts([3, 60, 25, 8, 41], seed=4)
     runner, recorder = _runner(hf_llama)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine_core import EngineCore
-from engine.protocol import EngineCoreRequest, SamplingParams
+from shoal.engine.engine_core import EngineCore
+from shoal.engine.protocol import EngineCoreRequest, SamplingParams
 from tests.engine.core_proc_utils import tiny_config
 from tests.engine.model_utils import (
     ARCHITECTURES,

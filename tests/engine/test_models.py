@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.errors import ModelLoadError
-from engine.models import LlamaForCausalLM, MixtralForCausalLM, get_model_class
-from engine.models.layers import rope_inv_freq
-from engine.models.mixtral import MixtralMoE
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.models import LlamaForCausalLM, MixtralForCausalLM, get_model_class
+from shoal.engine.models.layers import rope_inv_freq
+from shoal.engine.models.mixtral import MixtralMoE
 from tests.engine.model_utils import (
     ARCHITECTURES,
     arch_from_hf,
@@ -35,7 +35,7 @@ def test_dense_and_packed_weights_match_hf(
     # Tiny weights stay dense on their own; packing them anyway covers oneDNN's path, which the
     # real models take. The dense path is what CUDA, and a CPU without oneDNN, run.
     if is_packed:
-        monkeypatch.setattr("engine.models.layers.MIN_PACKED_WEIGHT_NUMEL", 0)
+        monkeypatch.setattr("shoal.engine.models.layers.MIN_PACKED_WEIGHT_NUMEL", 0)
     hf_model = make_hf_model(architecture)
     runner = make_runner(hf_model)
     assert runner.model is not None

@@ -10,9 +10,9 @@ import time
 import msgspec
 import zmq
 
-from engine.core_io import Op
-from engine.core_output import STATS_SNDHWM, OutputThread
-from engine.protocol import (
+from shoal.engine.core_io import Op
+from shoal.engine.core_output import STATS_SNDHWM, OutputThread
+from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,

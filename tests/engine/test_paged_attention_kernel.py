@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import engine.attention
-import engine.paged_attention_kernel as pak
-from engine.attention import AttentionWorkspace, PagedAttention, build_attention_metadata
-from engine.paged_attention_kernel import (
+import shoal.engine.attention as attention_module
+import shoal.engine.paged_attention_kernel as pak
+from shoal.engine.attention import AttentionWorkspace, PagedAttention, build_attention_metadata
+from shoal.engine.paged_attention_kernel import (
     KernelBuildError,
     PagedDecodeKernel,
     build_kernel,
@@ -240,7 +240,7 @@ def _attention_step(
 def test_kernel_equals_torch_path(
     kernel, split_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine.attention, "_DECODE_SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(attention_module, "_DECODE_SPLIT_TOKENS", split_tokens)
     case = Case(CONTEXTS, num_heads=6, num_kv_heads=2, head_dim=64, seed=5)
     fast = _attention_step(case, kernel, torch.float32)
     torch_path = _attention_step(case, None, torch.float32)

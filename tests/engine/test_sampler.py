@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler, _apply_penalties, draw_seed
+from shoal.engine.protocol import SamplingParams
+from shoal.engine.request import Request
+from shoal.engine.sampler import Sampler, _apply_penalties, draw_seed
 
 VOCAB = 64
 

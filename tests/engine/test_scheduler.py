@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from engine.errors import RequestError
-from engine.protocol import FinishReason, SamplingParams
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput
+from shoal.engine.errors import RequestError
+from shoal.engine.protocol import FinishReason, SamplingParams
+from shoal.engine.request import Request, RequestStatus
+from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import ModelRunnerOutput
 from tests.engine.sched_factories import (
     EOS_TOKEN_ID,
     KVCheckingRunner,

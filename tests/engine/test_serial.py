@@ -1,4 +1,4 @@
-"""engine.serial: typed msgpack frames, out-of-band zero-copy arrays, tagged structs, no pickle."""
+"""shoal.engine.serial: typed msgpack frames, out-of-band zero-copy arrays, tagged structs, no pickle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from engine.protocol import (
+from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -21,7 +21,7 @@ from engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
-from engine.serial import INLINE_MAX_BYTES, MsgpackDecoder, MsgpackEncoder, tag_structs
+from shoal.engine.serial import INLINE_MAX_BYTES, MsgpackDecoder, MsgpackEncoder, tag_structs
 
 
 def _roundtrip(value: Any, type_: Any = Any) -> Any:

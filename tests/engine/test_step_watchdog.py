@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core_proc import STEP_TIMEOUT_EXIT_CODE, start_engine_process, stop_engine_process
-from engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
-from engine.step_watchdog import StepWatchdog
+from shoal.engine.core_proc import STEP_TIMEOUT_EXIT_CODE, start_engine_process, stop_engine_process
+from shoal.engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
+from shoal.engine.step_watchdog import StepWatchdog
 from tests.engine.core_proc_utils import RawPeer, request, tiny_config
 from tests.factories import make_tiny_checkpoint
 

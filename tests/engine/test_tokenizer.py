@@ -1,4 +1,4 @@
-"""engine.tokenizer: parity with transformers on SmolLM2's GGUF, special tokens, BOS, pickling."""
+"""shoal.engine.tokenizer: parity with transformers on SmolLM2's GGUF, special tokens, BOS, pickling."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from tokenizers import processors
 
-from engine.errors import ModelLoadError
-from engine.tokenizer import Tokenizer, load_tokenizer
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 from tests.factories import (
     CHATML_TEMPLATE,
     make_tiny_checkpoint,
