@@ -11,12 +11,10 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from shoal.engine.config import EngineConfig
-from shoal.engine.loader import load_model_arch, load_weights
+from shoal.engine.executor import Executor, make_executor
+from shoal.engine.loader import load_model_arch
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.model_runner import ModelRunner
 from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -50,7 +48,7 @@ def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
 
 
 class EngineCore:
-    """Scheduler + model runner for one rank.
+    """Scheduler + executor (its workers run the model) for one rank.
 
     Args:
         config: the engine's configuration.
@@ -67,23 +65,12 @@ class EngineCore:
         path = config.model.model
         self.arch = load_model_arch(path)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
-        self.model_runner = ModelRunner(
-            config.model,
-            config.cache,
-            config.scheduler,
-            self.arch,
-            max_model_len=self.max_model_len,
+        self.executor: Executor = make_executor(
+            config, self.arch, max_model_len=self.max_model_len
         )
-        cpu_threads = config.model.cpu_threads
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be positive, got {cpu_threads}")
-        if cpu_threads is not None and self.model_runner.device.type == "cpu":
-            # Process-wide: a small engine sharing cores with its IO threads and clients is
-            # faster with fewer intra-op threads (idle OpenMP workers spin on those cores).
-            torch.set_num_threads(cpu_threads)
-        self.model_runner.load_model(load_weights(path))
-        self.num_kv_blocks = self.model_runner.determine_num_blocks()
-        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.executor.load_model()
+        self.num_kv_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.block_size = config.cache.block_size
         self.scheduler = Scheduler(
             config.scheduler,
@@ -149,7 +136,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             runner_output = (
-                self.model_runner.execute_model(scheduler_output)
+                self.executor.execute_model(scheduler_output)
                 if not scheduler_output.is_empty
                 else ModelRunnerOutput()
             )
@@ -186,14 +173,15 @@ class EngineCore:
         return value
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
-        """Runs a public model-runner method; one result per worker (one worker per rank here).
+        """Runs a public model-runner method on every worker, through the executor.
+
+        Returns:
+            One result per worker.
 
         Raises:
             AttributeError: if the runner has no such public method.
         """
-        if method.startswith("_") or not callable(getattr(self.model_runner, method, None)):
-            raise AttributeError(f"model runner has no public method {method!r}")
-        return [getattr(self.model_runner, method)(*args)]
+        return self.executor.collective_rpc(method, tuple(args))
 
     def facts(self, identity: bytes) -> EngineFacts:
         return EngineFacts(
@@ -210,6 +198,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.abort_requests(self.scheduler.all_request_ids())
+        self.executor.shutdown()
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -93,6 +93,6 @@ def test_collective_rpc_reaches_only_public_runner_methods(core: EngineCore) -> 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_the_device_setting_is_honoured(engine_checkpoint: str) -> None:
     cpu = EngineCore(EngineConfig.from_kwargs(engine_checkpoint, device="cpu"))
-    assert cpu.model_runner.device.type == "cpu"
+    assert cpu.executor.device.type == "cpu"
     with pytest.raises(ValueError, match=r"'cuda' was asked for.*sees no CUDA device"):
         EngineCore(EngineConfig.from_kwargs(engine_checkpoint, device="cuda"))
