@@ -1,5 +1,6 @@
-"""The input IO thread of an `EngineCoreProc`, the state machine of a client connection, and
-the `Op` tags of the work items that travel between the IO threads and the busy loop.
+"""The input IO thread of an `EngineCoreProc` and the state machine of a client connection.
+
+What it hands the busy loop are the typed items of `shoal.engine.work_items`.
 
 The input thread owns the bound ROUTER and every client's connection state; it decodes,
 validates and queues work for the busy loop. It does not know what a step does (the busy loop
@@ -37,6 +38,16 @@ from shoal.engine.serial import (
     peek_request_id,
     tag_structs,
 )
+from shoal.engine.work_items import (
+    AbortRequests,
+    AddRequest,
+    AttachClient,
+    DetachClient,
+    EngineDead,
+    InputItem,
+    SendOutputs,
+    UtilityCall,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +63,6 @@ _INPUT_POLL_MS = 100
 _MAX_MESSAGES_PER_WAKE = 256
 # Plain ints: pyzmq's flag enums cost a few microseconds per message in arithmetic and wrapping.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-
-
-class Op:
-    """Tags of the tuples that travel busy-loop ← input thread and busy-loop → output thread."""
-
-    ADD = 0  # (ADD, EngineCoreRequest)
-    ABORT = 1  # (ABORT, request_ids, client_index)
-    UTILITY = 2  # (UTILITY, client_index, call_id, method, args)
-    ATTACH = 3  # (ATTACH, client_index, push_socket, hello_reply, attach_serial)
-    DETACH = 4  # (DETACH, client_index, monitor): the monitor is the output thread's to close
-    SEND = 5  # (SEND, client_index, EngineCoreOutputs)
-    STATS = 6  # (STATS, EngineStatsReport)
-    DEAD = 7  # (DEAD,): tell every attached client the engine is gone, then stop
-    WAKE = 8  # (WAKE,): no work, only wakes the busy loop
-    STATS_TO = 9  # (STATS_TO, address): push stats reports there from now on
 
 
 def close_monitored(
@@ -144,7 +140,7 @@ class InputThread(threading.Thread):
         router: zmq.Socket,
         facts: EngineFacts,
         utility_methods: frozenset[str],
-        work_queue: queue.SimpleQueue[tuple[Any, ...]],
+        work_queue: queue.SimpleQueue[InputItem],
     ) -> None:
         super().__init__(name=f"EngineCoreInput_{facts.engine_index}", daemon=True)
         self._ctx = ctx
@@ -176,7 +172,7 @@ class InputThread(threading.Thread):
                 self.serve_once(self._poll_timeout_ms())
         except Exception:
             logger.exception("engine %d input thread failed", self._engine_index)
-            self._work_queue.put((Op.DEAD,))
+            self._work_queue.put(EngineDead())
         finally:
             # Monitors of attached clients stay open until the context goes: their PUSHes
             # (the output thread's) are still monitored.
@@ -275,7 +271,7 @@ class InputThread(threading.Thread):
                 self._send(connection.client_index, EngineCoreOutputs(outputs=[output]))
             return
         request.client_index = connection.client_index  # never trust the sender's index
-        self._work_queue.put((Op.ADD, request))
+        self._work_queue.put(AddRequest(request))
 
     def _on_abort(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
         try:
@@ -284,7 +280,7 @@ class InputThread(threading.Thread):
             logger.warning("engine %d dropped a malformed ABORT: %s", self._engine_index, e)
             return
         # Scoped to the sender: a client can only abort its own requests.
-        self._work_queue.put((Op.ABORT, request_ids, connection.client_index))
+        self._work_queue.put(AbortRequests(request_ids, connection.client_index))
 
     def _on_utility(self, connection: _ClientConnection, payload: list[zmq.Frame]) -> None:
         try:
@@ -300,7 +296,7 @@ class InputThread(threading.Thread):
             message = f"unknown utility method {method!r}; allowed: {allowed}"
             self._send_utility_failure(connection, call_id, message)
             return
-        self._work_queue.put((Op.UTILITY, connection.client_index, call_id, method, args))
+        self._work_queue.put(UtilityCall(connection.client_index, call_id, method, args))
 
     def _send_utility_failure(
         self, connection: _ClientConnection, call_id: int, message: str
@@ -311,7 +307,7 @@ class InputThread(threading.Thread):
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
         # Through the busy loop, so it lands after the ATTACH that created the client's PUSH.
         outputs.engine_index = self._engine_index
-        self._work_queue.put((Op.SEND, client_index, outputs))
+        self._work_queue.put(SendOutputs(client_index, outputs))
 
     # --- attach / detach --------------------------------------------------------------------
 
@@ -393,7 +389,7 @@ class InputThread(threading.Thread):
         self._poller.register(monitor, zmq.POLLIN)
         # The PUSH belongs to the output thread from here on; the queue is the memory barrier.
         reply = self._hello_reply(hello, connection.serial)
-        self._work_queue.put((Op.ATTACH, hello.client_index, push, reply, connection.serial))
+        self._work_queue.put(AttachClient(hello.client_index, push, reply, connection.serial))
         logger.info(
             "engine %d attached client %d (outputs to %s)",
             self._engine_index,
@@ -437,7 +433,7 @@ class InputThread(threading.Thread):
         self._poller.unregister(connection.monitor)
         # Not closed here: the reader must outlive the monitoring (see `close_monitored`), and
         # the PUSH is the output thread's, which closes both.
-        self._work_queue.put((Op.DETACH, connection.client_index, connection.monitor))
+        self._work_queue.put(DetachClient(connection.client_index, connection.monitor))
 
     def _on_monitor_event(self, connection: _ClientConnection) -> None:
         while True:

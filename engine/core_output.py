@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from shoal.engine.core_io import Op, close_monitored
+from shoal.engine.core_io import close_monitored
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -23,6 +23,15 @@ from shoal.engine.protocol import (
     UtilityOutput,
 )
 from shoal.engine.serial import MsgpackEncoder
+from shoal.engine.work_items import (
+    AttachClient,
+    DetachClient,
+    EngineDead,
+    MoveStats,
+    OutputItem,
+    ReportStats,
+    SendOutputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +66,7 @@ class OutputThread(threading.Thread):
 
     Args:
         engine_index: stamped on the death notice.
-        work_queue: items from the busy loop (`Op.SEND`, `ATTACH`, `DETACH`, `STATS`,
-            `STATS_TO`, `DEAD`).
+        work_queue: the busy loop's `OutputItem`s (`shoal.engine.work_items`).
         ctx: the engine's ZMQ context.
         stats_address: where to push stats reports (`make_stats_socket`); None: no reports.
     """
@@ -66,7 +74,7 @@ class OutputThread(threading.Thread):
     def __init__(
         self,
         engine_index: int,
-        work_queue: queue.SimpleQueue[tuple[Any, ...]],
+        work_queue: queue.SimpleQueue[OutputItem],
         ctx: zmq.Context,
         stats_address: str | None = None,
     ) -> None:
@@ -88,7 +96,7 @@ class OutputThread(threading.Thread):
         self._num_submitted = 0
         self._num_handled = 0
 
-    def submit(self, item: tuple[Any, ...]) -> None:
+    def submit(self, item: OutputItem) -> None:
         """Queues an item for this thread. Call from one thread only (the busy loop)."""
         self._num_submitted += 1
         self._work_queue.put(item)
@@ -104,7 +112,7 @@ class OutputThread(threading.Thread):
             finally:
                 self._socket_lock.release()
             return
-        self.submit((Op.SEND, client_index, outputs))
+        self.submit(SendOutputs(client_index, outputs))
 
     def run(self) -> None:
         linger_ms = 0
@@ -126,26 +134,26 @@ class OutputThread(threading.Thread):
                 if self._stats_socket is not None:
                     self._stats_socket.close(linger=0)
 
-    def _handle(self, item: tuple[Any, ...]) -> bool:
+    def _handle(self, item: OutputItem) -> bool:
         """Carries out one item; False after the death notice (the thread stops)."""
-        op = item[0]
-        if op == Op.SEND:
-            self._send(item[1], item[2])
-        elif op == Op.ATTACH:
-            self._pushes[item[1]] = item[2]
-            self._send(item[1], item[3])
-        elif op == Op.DETACH:
-            close_monitored(self._pushes.pop(item[1], None), item[2])
-        elif op == Op.STATS:
-            self._send_stats(item[1])
-        elif op == Op.STATS_TO:
-            self._move_stats(item[1])
-        elif op == Op.DEAD:
-            notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
-            for push in self._pushes.values():
-                push.send_multipart(notice)
-            # Enough for connected clients; one that is away learns from its own monitor.
-            return False
+        match item:
+            case SendOutputs(client_index, outputs):
+                self._send(client_index, outputs)
+            case AttachClient(client_index, push, reply):
+                self._pushes[client_index] = push
+                self._send(client_index, reply)
+            case DetachClient(client_index, monitor):
+                close_monitored(self._pushes.pop(client_index, None), monitor)
+            case ReportStats(report):
+                self._send_stats(report)
+            case MoveStats(address):
+                self._move_stats(address)
+            case EngineDead():
+                notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
+                for push in self._pushes.values():
+                    push.send_multipart(notice)
+                # Enough for connected clients; one that is away learns from its own monitor.
+                return False
         return True
 
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core_io import InputThread, Op
+from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
 from shoal.engine.engine_core import EngineCore
 from shoal.engine.protocol import (
@@ -40,6 +40,19 @@ from shoal.engine.protocol import (
 )
 from shoal.engine.serial import tag_structs
 from shoal.engine.step_watchdog import StepWatchdog
+from shoal.engine.work_items import (
+    AbortRequests,
+    AddRequest,
+    AttachClient,
+    DetachClient,
+    EngineDead,
+    InputItem,
+    MoveStats,
+    ReportStats,
+    SendOutputs,
+    UtilityCall,
+    Wake,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +118,7 @@ class EngineCoreProc:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
         self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
-        self._input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._ipc_dir: str | None = None
         router = self._ctx.socket(zmq.ROUTER)
@@ -220,29 +233,31 @@ class EngineCoreProc:
             wake_at = self._last_stats_time + STATS_MAX_INTERVAL_S
         return max(0.0, wake_at - time.monotonic())
 
-    def _handle_input(self, item: tuple[Any, ...]) -> None:
-        op = item[0]
+    def _handle_input(self, item: InputItem) -> None:
         self._is_stats_dirty = True
-        if op == Op.ADD:
-            self.engine_core.add_request(item[1])
-        elif op == Op.ABORT:
-            self.engine_core.abort_requests(item[1], client_index=item[2])
-        elif op == Op.UTILITY:
-            self._call_utility(*item[1:])
-        elif op == Op.DETACH:
-            self._attached_clients.discard(item[1])
-            aborted = self.engine_core.abort_client_requests(item[1])
-            if aborted:
-                self._orphan_ids[item[1]] = set(aborted)
-            self._output_thread.submit(item)
-        elif op == Op.ATTACH:
-            self._attached_clients.add(item[1])
-            self._attaches_seen = item[4]
-            self._output_thread.submit(item)
-        elif op in (Op.SEND, Op.STATS_TO):
-            self._output_thread.submit(item)
-        elif op == Op.DEAD:
-            raise RuntimeError("an engine IO thread failed")
+        match item:
+            case AddRequest(request):
+                self.engine_core.add_request(request)
+            case AbortRequests(request_ids, client_index):
+                self.engine_core.abort_requests(request_ids, client_index=client_index)
+            case UtilityCall(client_index, call_id, method, args):
+                self._call_utility(client_index, call_id, method, args)
+            case DetachClient(client_index):
+                self._attached_clients.discard(client_index)
+                aborted = self.engine_core.abort_client_requests(client_index)
+                if aborted:
+                    self._orphan_ids[client_index] = set(aborted)
+                self._output_thread.submit(item)
+            case AttachClient(client_index, attach_serial=attach_serial):
+                self._attached_clients.add(client_index)
+                self._attaches_seen = attach_serial
+                self._output_thread.submit(item)
+            case SendOutputs() | MoveStats():
+                self._output_thread.submit(item)
+            case EngineDead():
+                raise RuntimeError("an engine IO thread failed")
+            case Wake():
+                pass
 
     def _call_utility(self, client_index: int, call_id: int, method: str, args: list[Any]) -> None:
         try:
@@ -284,7 +299,7 @@ class EngineCoreProc:
             attached_clients=sorted(self._attached_clients),
             attaches_seen=self._attaches_seen,
         )
-        self._output_thread.submit((Op.STATS, report))
+        self._output_thread.submit(ReportStats(report))
 
     def set_stats_address(self, address: str) -> None:
         """Pushes stats reports to `address` from now on (the coordinator moved); thread-safe.
@@ -292,7 +307,7 @@ class EngineCoreProc:
         Ignored by an engine started without a stats address.
         """
         if self._is_stats_enabled:
-            self._input_queue.put((Op.STATS_TO, address))
+            self._input_queue.put(MoveStats(address))
 
     # --- shutdown ---------------------------------------------------------------------------
 
@@ -302,7 +317,7 @@ class EngineCoreProc:
             self._is_shutdown_requested = True
             is_running = self._is_running
         if is_running:
-            self._input_queue.put((Op.WAKE,))
+            self._input_queue.put(Wake())
         else:
             self._close()
 
@@ -315,7 +330,7 @@ class EngineCoreProc:
             running_s,
             self.engine_core.config.scheduler.step_timeout_s,
         )
-        self._output_thread.submit((Op.DEAD,))
+        self._output_thread.submit(EngineDead())
         self._output_thread.join(timeout=2)
         # The context's IO thread sends the notices in the background, after the output
         # thread has closed its sockets; an exit now would cut them off.
@@ -335,10 +350,10 @@ class EngineCoreProc:
         # Clients attached after the loop's last turn still get their PUSH and the notice.
         while not self._input_queue.empty():
             item = self._input_queue.get_nowait()
-            if item[0] == Op.ATTACH:
+            if isinstance(item, AttachClient):
                 self._output_thread.submit(item)
         # Attached clients learn at once that this engine is gone, fatal error or not.
-        self._output_thread.submit((Op.DEAD,))
+        self._output_thread.submit(EngineDead())
         self._output_thread.join(timeout=5)
         try:
             self.engine_core.shutdown()

@@ -8,14 +8,15 @@ from typing import Any
 
 import zmq
 
-from shoal.engine.core_io import InputThread, Op, close_monitored
+from shoal.engine.core_io import InputThread, close_monitored
 from shoal.engine.protocol import EngineCoreRequestType, EngineFacts, EngineHello
 from shoal.engine.serial import MsgpackEncoder
+from shoal.engine.work_items import AttachClient, DetachClient, InputItem
 
 FACTS = EngineFacts(0, b"engine-0", "tiny", 128, 10, 16, 512)
 
 
-def _work(work_queue: queue.SimpleQueue[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+def _work(work_queue: queue.SimpleQueue[InputItem]) -> list[InputItem]:
     items = []
     while not work_queue.empty():
         items.append(work_queue.get_nowait())
@@ -41,10 +42,10 @@ def test_a_goodbye_and_its_disconnect_in_one_poll_leave_the_thread_serving() -> 
             hello = EngineHello(client_index, f"tcp://127.0.0.1:{pull_port}", call_id=1)
             client.send_multipart([EngineCoreRequestType.HELLO.value, *encoder.encode(hello)])
             deadline = time.monotonic() + 5
-            while not (attached := [w for w in _work(work_queue) if w[0] is Op.ATTACH]):
+            while not (attached := [w for w in _work(work_queue) if isinstance(w, AttachClient)]):
                 assert time.monotonic() < deadline, "no ATTACH"
                 thread.serve_once(50)
-            pushes.append(attached[0][2])  # the busy loop would hand it to the output thread
+            pushes.append(attached[0].push)  # the busy loop would hand it to the output thread
             for _ in range(5):  # the output connection's handshake
                 thread.serve_once(50)
             return client, pull
@@ -54,9 +55,9 @@ def test_a_goodbye_and_its_disconnect_in_one_poll_leave_the_thread_serving() -> 
         pull.close(linger=0)
         time.sleep(0.3)  # both the GOODBYE and the disconnect event are now waiting
         thread.serve_once(0)
-        [(op, client_index, monitor)] = _work(work_queue)
-        assert (op, client_index) == (Op.DETACH, 5)
-        close_monitored(pushes.pop(0), monitor)  # what the output thread does with a DETACH
+        [detach] = _work(work_queue)
+        assert isinstance(detach, DetachClient) and detach.client_index == 5
+        close_monitored(pushes.pop(0), detach.monitor)  # what the output thread does with a DETACH
 
         attach(6)  # still serving: a new client attaches
     finally:

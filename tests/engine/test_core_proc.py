@@ -11,7 +11,6 @@ import msgspec
 import pytest
 import zmq
 
-from shoal.engine.core_io import Op
 from shoal.engine.core_output import OutputThread
 from shoal.engine.core_proc import EngineCoreProc, start_engine_process
 from shoal.engine.protocol import (
@@ -26,6 +25,7 @@ from shoal.engine.protocol import (
     UtilityResult,
 )
 from shoal.engine.serial import peek_call_id, peek_request_id
+from shoal.engine.work_items import AttachClient, EngineDead
 from tests.engine.core_proc_utils import (
     NUM_BLOCKS,
     RawPeer,
@@ -185,11 +185,11 @@ def test_unsendable_utility_result_becomes_a_failure() -> None:
     thread.start()
     try:
         unsendable = UtilityOutput(41, result=UtilityResult(object()))
-        work.put((Op.ATTACH, 0, push, EngineCoreOutputs(utility_output=unsendable)))
+        work.put(AttachClient(0, push, EngineCoreOutputs(utility_output=unsendable), 1))
         reply = msgspec.msgpack.decode(pull.recv(), type=EngineCoreOutputs).utility_output
         assert reply is not None and reply.call_id == 41
         assert reply.failure_message is not None and "cannot be sent" in reply.failure_message
-        work.put((Op.DEAD,))
+        work.put(EngineDead())
         assert pull.recv_multipart() == [ENGINE_CORE_DEAD, b"2"]
         thread.join(timeout=5)
         assert not thread.is_alive()

@@ -10,7 +10,6 @@ import time
 import msgspec
 import zmq
 
-from shoal.engine.core_io import Op
 from shoal.engine.core_output import STATS_SNDHWM, OutputThread
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
@@ -20,6 +19,13 @@ from shoal.engine.protocol import (
     SchedulerStats,
     UtilityOutput,
     UtilityResult,
+)
+from shoal.engine.work_items import (
+    AttachClient,
+    EngineDead,
+    MoveStats,
+    ReportStats,
+    SendOutputs,
 )
 
 
@@ -40,7 +46,7 @@ def test_sends_never_overtake_submitted_work_and_go_inline_once_idle() -> None:
         hello = EngineCoreOutputs(utility_output=UtilityOutput(7, result=UtilityResult(None)))
         # The client's PUSH only exists once ATTACH is handled: a send that overtook it would
         # find no socket and be dropped.
-        thread.submit((Op.ATTACH, 0, push, hello))
+        thread.submit(AttachClient(0, push, hello, 1))
         for i in range(50):
             thread.send_or_submit(0, EngineCoreOutputs(outputs=[EngineCoreOutput(f"r{i}")]))
         first = _received(pull, 51)
@@ -53,7 +59,7 @@ def test_sends_never_overtake_submitted_work_and_go_inline_once_idle() -> None:
         later = _received(pull, 10)
         assert [o.outputs[0].request_id for o in later] == [f"r{i}" for i in range(50, 60)]
 
-        thread.submit((Op.DEAD,))
+        thread.submit(EngineDead())
         assert pull.recv_multipart() == [ENGINE_CORE_DEAD, b"3"]
         thread.join(timeout=5)
         assert not thread.is_alive()
@@ -75,11 +81,11 @@ def test_stats_for_an_absent_coordinator_are_dropped_not_queued_ahead_of_outputs
     thread.start()
     try:
         hello = EngineCoreOutputs(utility_output=UtilityOutput(1, result=UtilityResult(None)))
-        thread.submit((Op.ATTACH, 0, push, hello, 1))
+        thread.submit(AttachClient(0, push, hello, 1))
         report = EngineStatsReport(0, SchedulerStats())
         for _ in range(STATS_SNDHWM * 4):  # would fill the queue and block the next send
-            thread.submit((Op.STATS, report))
-        thread.submit((Op.SEND, 0, EngineCoreOutputs(outputs=[EngineCoreOutput("after")])))
+            thread.submit(ReportStats(report))
+        thread.submit(SendOutputs(0, EngineCoreOutputs(outputs=[EngineCoreOutput("after")])))
         received = _received(pull, 2)
         assert received[1].outputs[0].request_id == "after"
 
@@ -87,13 +93,13 @@ def test_stats_for_an_absent_coordinator_are_dropped_not_queued_ahead_of_outputs
         reports = ctx.socket(zmq.PULL)
         reports.setsockopt(zmq.RCVTIMEO, 5000)
         new_port = reports.bind_to_random_port("tcp://127.0.0.1")
-        thread.submit((Op.STATS_TO, f"tcp://127.0.0.1:{new_port}"))
+        thread.submit(MoveStats(f"tcp://127.0.0.1:{new_port}"))
         deadline = time.monotonic() + 5
         while not reports.poll(100):  # the connection comes up in the background
             assert time.monotonic() < deadline
-            thread.submit((Op.STATS, report))
+            thread.submit(ReportStats(report))
         assert msgspec.msgpack.decode(reports.recv(), type=EngineStatsReport).engine_index == 0
-        thread.submit((Op.DEAD,))
+        thread.submit(EngineDead())
         thread.join(timeout=5)
     finally:
         ctx.destroy(linger=0)
