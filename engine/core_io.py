@@ -14,6 +14,8 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Mapping
 from typing import Any, cast
 
 import msgspec
@@ -31,6 +33,7 @@ from shoal.engine.protocol import (
     UtilityOutput,
     UtilityResult,
 )
+from shoal.engine.rate_limit import LogRateLimiter
 from shoal.engine.serial import (
     MsgpackDecoder,
     MsgpackEncoder,
@@ -58,6 +61,14 @@ CONNECT_GRACE_S = 5.0
 # ZMTP heartbeats on output connections, so a silent (partitioned) client is noticed too.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+# Messages ZMQ queues for one client before a send would block; the output thread then keeps
+# a bounded backlog of its own for a while (`shoal.engine.core_output`).
+OUTPUT_SNDHWM = 1000
+# The most clients attached to one engine at once; a HELLO beyond it is refused.
+MAX_ATTACHED_CLIENTS = 256
+# Refused HELLOs answered per second at most: each answer opens a connection to the address
+# the HELLO named, and a flood of them must not take the engine's descriptors.
+MAX_REFUSALS_PER_S = 20
 # The input thread wakes at least this often to notice shutdown and expired connections.
 _INPUT_POLL_MS = 100
 _MAX_MESSAGES_PER_WAKE = 256
@@ -95,6 +106,8 @@ class _ClientConnection:
         CONNECTING/SUSPECT ──deadline passed──▶ DETACHED
         any ──GOODBYE, or a HELLO for its index while SUSPECT──▶ DETACHED
         any ──a HELLO for its index and output address on another connection──▶ DETACHED
+        any ──its outputs not taken in time (the output thread says so)──▶ DETACHED
+        CONNECTING/SUSPECT ──the engine is full and this is the oldest such──▶ DETACHED
 
     `deadline` is set exactly in CONNECTING and SUSPECT. DETACHED aborts every request of the
     client and closes its PUSH; its routing id and client index are free again. Frames from a
@@ -130,8 +143,12 @@ class InputThread(threading.Thread):
         ctx: the engine's ZMQ context.
         router: the bound input ROUTER; this thread owns (and closes) it from now on.
         facts: the answer to every accepted HELLO.
-        utility_methods: names a UTILITY call may invoke; others are refused here.
+        utility_methods: the methods a UTILITY call may invoke, each with its number of
+            arguments; other calls are refused here.
         work_queue: the busy loop's input queue.
+        lagging_clients: (client index, attach serial) of clients that did not take their
+            outputs in time, posted by the output thread: each is detached.
+        max_clients: the most clients attached at once.
     """
 
     def __init__(
@@ -139,8 +156,10 @@ class InputThread(threading.Thread):
         ctx: zmq.Context,
         router: zmq.Socket,
         facts: EngineFacts,
-        utility_methods: frozenset[str],
+        utility_methods: Mapping[str, int],
         work_queue: queue.SimpleQueue[InputItem],
+        lagging_clients: queue.SimpleQueue[tuple[int, int]] | None = None,
+        max_clients: int = MAX_ATTACHED_CLIENTS,
     ) -> None:
         super().__init__(name=f"EngineCoreInput_{facts.engine_index}", daemon=True)
         self._ctx = ctx
@@ -160,6 +179,10 @@ class InputThread(threading.Thread):
         self._by_client_index: dict[int, _ClientConnection] = {}
         self._monitors: dict[zmq.Socket, _ClientConnection] = {}
         self._num_attaches = 0
+        self._lagging_clients = lagging_clients
+        self._max_clients = max_clients
+        self._refusal_times: deque[float] = deque()
+        self._warnings = LogRateLimiter(logger)
         self._poller.register(router, zmq.POLLIN)
 
     def stop(self) -> None:
@@ -192,6 +215,7 @@ class InputThread(threading.Thread):
             elif (connection := self._monitors.get(socket)) is not None:
                 self._on_monitor_event(connection)
         self._expire_connections()
+        self._detach_lagging_clients()
 
     def _poll_timeout_ms(self) -> int:
         deadlines = [c.deadline for c in self._connections.values() if c.deadline is not None]
@@ -213,16 +237,22 @@ class InputThread(threading.Thread):
                 return
             try:
                 self._on_frames(frames)
-            except Exception:  # a peer's frames must never kill this thread
-                logger.exception(
-                    "engine %d dropped a message it could not handle", self._engine_index
+            except Exception as e:  # a peer's frames must never kill this thread
+                self._warnings.warning(
+                    "unhandled",
+                    "engine %d dropped a message it could not handle: %s: %s",
+                    self._engine_index,
+                    type(e).__name__,
+                    e,
                 )
 
     # --- frames -------------------------------------------------------------------------------
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
-            logger.warning("engine %d dropped a message without a request type", self._engine_index)
+            self._warnings.warning(
+                "no-type", "engine %d dropped a message without a request type", self._engine_index
+            )
             return
         routing_id = frames[0].bytes
         request_type = _REQUEST_TYPES.get(frames[1].bytes)
@@ -231,13 +261,16 @@ class InputThread(threading.Thread):
         if request_type is EngineCoreRequestType.HELLO:
             self._on_hello(routing_id, connection, payload)
         elif connection is None:
-            logger.warning(
+            self._warnings.warning(
+                "no-hello",
                 "engine %d dropped a %s from a peer that never said HELLO",
                 self._engine_index,
                 request_type.name if request_type else "message",
             )
         elif not payload and request_type is not EngineCoreRequestType.GOODBYE:
-            logger.warning("engine %d dropped a message without payload", self._engine_index)
+            self._warnings.warning(
+                "no-payload", "engine %d dropped a message without payload", self._engine_index
+            )
         elif request_type is EngineCoreRequestType.ADD:
             self._on_add(connection, payload)
         elif request_type is EngineCoreRequestType.ABORT:
@@ -247,7 +280,8 @@ class InputThread(threading.Thread):
         elif request_type is EngineCoreRequestType.GOODBYE:
             self._detach(connection, "it said goodbye")
         else:
-            logger.warning(
+            self._warnings.warning(
+                "bad-type",
                 "engine %d dropped a message of unsupported type %r from client %d",
                 self._engine_index,
                 frames[1].bytes,
@@ -259,8 +293,12 @@ class InputThread(threading.Thread):
             request: EngineCoreRequest = self._add_decoder.decode(payload)
         except Exception as e:
             request_id = peek_request_id(payload[0].buffer)
-            logger.warning(
-                "engine %d got a malformed ADD (%r): %s", self._engine_index, request_id, e
+            self._warnings.warning(
+                "bad-add",
+                "engine %d got a malformed ADD (%r): %s",
+                self._engine_index,
+                request_id,
+                e,
             )
             if request_id is not None:
                 output = EngineCoreOutput(
@@ -277,7 +315,9 @@ class InputThread(threading.Thread):
         try:
             request_ids = self._abort_decoder.decode(payload)
         except Exception as e:
-            logger.warning("engine %d dropped a malformed ABORT: %s", self._engine_index, e)
+            self._warnings.warning(
+                "bad-abort", "engine %d dropped a malformed ABORT: %s", self._engine_index, e
+            )
             return
         # Scoped to the sender: a client can only abort its own requests.
         self._work_queue.put(AbortRequests(request_ids, connection.client_index))
@@ -287,13 +327,20 @@ class InputThread(threading.Thread):
             _, call_id, method, args = self._utility_decoder.decode(payload)
         except Exception as e:
             peeked = peek_call_id(payload[0].buffer)
-            logger.warning("engine %d got a malformed UTILITY call: %s", self._engine_index, e)
+            self._warnings.warning(
+                "bad-utility", "engine %d got a malformed UTILITY call: %s", self._engine_index, e
+            )
             if peeked is not None:
                 self._send_utility_failure(connection, peeked, f"malformed utility call: {e}")
             return
-        if method not in self._utility_methods:
+        num_args = self._utility_methods.get(method)
+        if num_args is None:
             allowed = ", ".join(sorted(self._utility_methods))
-            message = f"unknown utility method {method!r}; allowed: {allowed}"
+            message = f"utility method {method!r} is not available to clients; allowed: {allowed}"
+            self._send_utility_failure(connection, call_id, message)
+            return
+        if len(args) != num_args:
+            message = f"utility method {method!r} takes {num_args} arguments, got {len(args)}"
             self._send_utility_failure(connection, call_id, message)
             return
         self._work_queue.put(UtilityCall(connection.client_index, call_id, method, args))
@@ -317,8 +364,11 @@ class InputThread(threading.Thread):
         try:
             hello: EngineHello = self._hello_decoder.decode(payload)
         except Exception as e:
-            logger.warning(
-                "engine %d dropped a malformed HELLO (cannot answer it): %s", self._engine_index, e
+            self._warnings.warning(
+                "bad-hello",
+                "engine %d dropped a malformed HELLO (cannot answer it): %s",
+                self._engine_index,
+                e,
             )
             return
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -356,11 +406,31 @@ class InputThread(threading.Thread):
                     "connection; use a distinct client_index per client",
                 )
                 return
+        if len(self._connections) >= self._max_clients and not self._make_room():
+            self._refuse(
+                hello,
+                f"this engine serves {self._max_clients} clients, its maximum; "
+                "try again when one has left",
+            )
+            return
         self._attach(routing_id, hello)
+
+    def _make_room(self) -> bool:
+        """Frees a client slot for a new HELLO by detaching the oldest client whose output
+        connection is not up (one that never took its outputs, or has been away since).
+
+        A flood of HELLOs naming addresses that never answer thus makes room for a client that
+        does, instead of keeping it out.
+        """
+        suspects = [c for c in self._connections.values() if c.is_suspect]
+        if not suspects:
+            return False
+        self._detach(min(suspects, key=lambda c: c.serial), "a new client needed its slot")
+        return True
 
     def _attach(self, routing_id: bytes, hello: EngineHello) -> None:
         push = self._ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.SNDHWM, OUTPUT_SNDHWM)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         push.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
@@ -371,7 +441,8 @@ class InputThread(threading.Thread):
         try:
             push.connect(hello.output_address)
         except zmq.ZMQError as e:
-            logger.warning(
+            self._warnings.warning(
+                "bad-address",
                 "engine %d refused HELLO: bad output address %r: %s",
                 self._engine_index,
                 hello.output_address,
@@ -406,10 +477,24 @@ class InputThread(threading.Thread):
         )
 
     def _refuse(self, hello: EngineHello, message: str) -> None:
-        """Answers a refused HELLO on a short-lived PUSH; the client is never attached."""
-        logger.warning(
-            "engine %d refused client %d: %s", self._engine_index, hello.client_index, message
+        """Answers a refused HELLO on a short-lived PUSH; the client is never attached.
+
+        At most MAX_REFUSALS_PER_S are answered each second; the rest only count in the
+        (rate-limited) warning.
+        """
+        self._warnings.warning(
+            "refused",
+            "engine %d refused client %d: %s",
+            self._engine_index,
+            hello.client_index,
+            message,
         )
+        now = time.monotonic()
+        while self._refusal_times and self._refusal_times[0] < now - 1.0:
+            self._refusal_times.popleft()
+        if len(self._refusal_times) >= MAX_REFUSALS_PER_S:
+            return
+        self._refusal_times.append(now)
         reply = EngineCoreOutputs(
             engine_index=self._engine_index,
             utility_output=UtilityOutput(call_id=hello.call_id, failure_message=message),
@@ -417,11 +502,16 @@ class InputThread(threading.Thread):
         push = self._ctx.socket(zmq.PUSH)
         try:
             push.connect(hello.output_address)
-            push.send_multipart(self._encoder.encode(reply))
+            push.send_multipart(self._encoder.encode(reply), zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            logger.warning("engine %d could not answer a refused HELLO: %s", self._engine_index, e)
+            self._warnings.warning(
+                "refusal-unsent",
+                "engine %d could not answer a refused HELLO: %s",
+                self._engine_index,
+                e,
+            )
         finally:
-            push.close(linger=2000)  # the context delivers in the background
+            push.close(linger=1000)  # the context delivers in the background
 
     def _detach(self, connection: _ClientConnection, reason: str) -> None:
         logger.info(
@@ -446,6 +536,15 @@ class InputThread(threading.Thread):
                 connection.deadline = None
             elif event == zmq.EVENT_DISCONNECTED and connection.deadline is None:
                 connection.deadline = time.monotonic() + DISCONNECT_GRACE_S
+
+    def _detach_lagging_clients(self) -> None:
+        if self._lagging_clients is None:
+            return
+        while not self._lagging_clients.empty():
+            client_index, serial = self._lagging_clients.get_nowait()
+            connection = self._by_client_index.get(client_index)
+            if connection is not None and connection.serial == serial:  # not a newer attach
+                self._detach(connection, "it did not take its outputs in time")
 
     def _expire_connections(self) -> None:
         now = time.monotonic()

@@ -7,9 +7,11 @@ machine — is `shoal.engine.core_io`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -22,6 +24,7 @@ from shoal.engine.protocol import (
     EngineStatsReport,
     UtilityOutput,
 )
+from shoal.engine.rate_limit import LogRateLimiter
 from shoal.engine.serial import MsgpackEncoder
 from shoal.engine.work_items import (
     AttachClient,
@@ -37,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 # Stats reports queued for a slow coordinator before new ones are dropped.
 STATS_SNDHWM = 64
+# A client whose PUSH queue is full (OUTPUT_SNDHWM in `shoal.engine.core_io`) gets a backlog
+# of at most this many messages, kept for as long as its socket takes a message at least
+# this often; past either, the client is detached and its requests aborted.
+MAX_BACKLOG_MESSAGES = 1000
+SEND_TIMEOUT_S = 5.0
+# How often a backlog is offered to its socket again.
+_BACKLOG_RETRY_S = 0.02
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def make_stats_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -69,6 +80,12 @@ class OutputThread(threading.Thread):
         work_queue: the busy loop's `OutputItem`s (`shoal.engine.work_items`).
         ctx: the engine's ZMQ context.
         stats_address: where to push stats reports (`make_stats_socket`); None: no reports.
+        lagging_clients: where to post (client index, attach serial) of a client that does
+            not take its outputs in time; the input thread detaches it.
+
+    No send blocks: a client's messages that its socket does not take wait in a bounded
+    backlog of their own, in order, and a client whose backlog overflows or does not move for
+    SEND_TIMEOUT_S is let go. Every other client streams on meanwhile.
     """
 
     def __init__(
@@ -77,6 +94,7 @@ class OutputThread(threading.Thread):
         work_queue: queue.SimpleQueue[OutputItem],
         ctx: zmq.Context,
         stats_address: str | None = None,
+        lagging_clients: queue.SimpleQueue[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
         self._engine_index = engine_index
@@ -88,6 +106,13 @@ class OutputThread(threading.Thread):
         self._num_stats_dropped = 0
         self._encoder = MsgpackEncoder()
         self._pushes: dict[int, zmq.Socket] = {}
+        self._attach_serials: dict[int, int] = {}
+        # client index → frames its socket did not take yet, and when it last took any.
+        self._backlogs: dict[int, deque[list[Any]]] = {}
+        self._backlog_moved_at: dict[int, float] = {}
+        self._lagging: set[int] = set()  # reported, not yet detached: their outputs are dropped
+        self._lagging_clients = lagging_clients
+        self._warnings = LogRateLimiter(logger)
         # (tracker, frames) of zero-copy sends: the frames must outlive ZMQ's use of them.
         self._pending: deque[tuple[zmq.MessageTracker, list[Any]]] = deque()
         self._socket_lock = threading.Lock()
@@ -118,12 +143,21 @@ class OutputThread(threading.Thread):
         linger_ms = 0
         try:
             while True:
-                item = self._work_queue.get()
+                try:
+                    item = self._work_queue.get(
+                        timeout=_BACKLOG_RETRY_S if self._backlogs else None
+                    )
+                except queue.Empty:
+                    with self._socket_lock:
+                        self._flush_backlogs()
+                    continue
                 with self._socket_lock:
                     if not self._handle(item):
                         linger_ms = 200
                         return
                     self._num_handled += 1
+                    if self._backlogs:
+                        self._flush_backlogs()
         except Exception:
             logger.exception("engine %d output thread failed", self._engine_index)
         finally:
@@ -139,11 +173,14 @@ class OutputThread(threading.Thread):
         match item:
             case SendOutputs(client_index, outputs):
                 self._send(client_index, outputs)
-            case AttachClient(client_index, push, reply):
+            case AttachClient(client_index, push, reply, attach_serial):
+                self._forget(client_index)
                 self._pushes[client_index] = push
+                self._attach_serials[client_index] = attach_serial
                 self._send(client_index, reply)
             case DetachClient(client_index, monitor):
                 close_monitored(self._pushes.pop(client_index, None), monitor)
+                self._forget(client_index)
             case ReportStats(report):
                 self._send_stats(report)
             case MoveStats(address):
@@ -151,15 +188,17 @@ class OutputThread(threading.Thread):
             case EngineDead():
                 notice = [ENGINE_CORE_DEAD, str(self._engine_index).encode()]
                 for push in self._pushes.values():
-                    push.send_multipart(notice)
+                    # A client that takes nothing now learns it from its own monitor.
+                    with contextlib.suppress(zmq.ZMQError):
+                        push.send_multipart(notice, _NOBLOCK)
                 # Enough for connected clients; one that is away learns from its own monitor.
                 return False
         return True
 
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
         push = self._pushes.get(client_index)
-        if push is None:
-            return  # the client detached; nobody is waiting for these
+        if push is None or client_index in self._lagging:
+            return  # the client detached (or is being let go); nobody is waiting for these
         try:
             frames = self._encoder.encode(outputs)
         except TypeError as e:
@@ -169,14 +208,68 @@ class OutputThread(threading.Thread):
             message = f"the result of this call cannot be sent: {e}"
             outputs.utility_output = UtilityOutput(call_id=utility.call_id, failure_message=message)
             frames = self._encoder.encode(outputs)
-        if len(frames) == 1:
-            push.send(frames[0])
+        backlog = self._backlogs.get(client_index)
+        if backlog is not None:  # behind older messages: in order, after them
+            backlog.append(frames)
+            if len(backlog) > MAX_BACKLOG_MESSAGES:
+                self._let_go(client_index, f"more than {MAX_BACKLOG_MESSAGES} messages behind")
             return
-        tracker = push.send_multipart(frames, copy=False, track=True)
+        if not self._try_send(push, frames):
+            self._backlogs[client_index] = deque([frames])
+            self._backlog_moved_at[client_index] = time.monotonic()
+
+    def _try_send(self, push: zmq.Socket, frames: list[Any]) -> bool:
+        """Sends without blocking; False if the socket takes nothing now (its queue is full)."""
+        try:
+            if len(frames) == 1:
+                push.send(frames[0], _NOBLOCK)
+                return True
+            tracker = push.send_multipart(frames, _NOBLOCK, copy=False, track=True)
+        except zmq.Again:
+            return False
         assert tracker is not None, "track=True always returns a tracker"
         self._pending.append((tracker, frames))
         while self._pending and self._pending[0][0].done:
             self._pending.popleft()
+        return True
+
+    def _flush_backlogs(self) -> None:
+        """Offers every backlog to its socket again; lets go of clients whose did not move."""
+        now = time.monotonic()
+        for client_index, backlog in list(self._backlogs.items()):
+            push = self._pushes[client_index]
+            moved = False
+            while backlog and self._try_send(push, backlog[0]):
+                backlog.popleft()
+                moved = True
+            if not backlog:
+                self._backlogs.pop(client_index)
+                self._backlog_moved_at.pop(client_index)
+            elif moved:
+                self._backlog_moved_at[client_index] = now
+            elif now - self._backlog_moved_at[client_index] > SEND_TIMEOUT_S:
+                self._let_go(client_index, f"its socket took nothing for {SEND_TIMEOUT_S:.0f} s")
+
+    def _let_go(self, client_index: int, reason: str) -> None:
+        """Drops a lagging client's backlog and asks the input thread to detach it."""
+        self._warnings.warning(
+            "lagging",
+            "engine %d lets client %d go: %s",
+            self._engine_index,
+            client_index,
+            reason,
+        )
+        self._backlogs.pop(client_index, None)
+        self._backlog_moved_at.pop(client_index, None)
+        self._lagging.add(client_index)
+        if self._lagging_clients is not None:
+            self._lagging_clients.put((client_index, self._attach_serials[client_index]))
+
+    def _forget(self, client_index: int) -> None:
+        self._attach_serials.pop(client_index, None)
+        self._backlogs.pop(client_index, None)
+        self._backlog_moved_at.pop(client_index, None)
+        self._lagging.discard(client_index)
 
     def _send_stats(self, report: EngineStatsReport) -> None:
         if self._stats_socket is None:

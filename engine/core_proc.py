@@ -20,7 +20,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from multiprocessing.process import BaseProcess
+from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
@@ -30,6 +32,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
 from shoal.engine.engine_core import EngineCore
+from shoal.engine.parent_watch import exit_with_parent
 from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineEndpoint,
@@ -68,6 +71,23 @@ _IDLE_WAIT_S = 1.0
 STEP_TIMEOUT_EXIT_CODE = 70
 # ...after this long for its death notices to leave.
 _DEATH_NOTICE_FLUSH_S = 1.0
+# How long a connection to the input socket may take to complete its handshake.
+HANDSHAKE_IVL_MS = 5000
+# The largest message a peer may send (a prompt of a million tokens is ~5 MB).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to the hard limit: each attached client
+    holds a few descriptors, and a limit of 1024 would cap an engine at a few hundred."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as e:  # not POSIX, or not allowed
+        logger.debug("open file limit left as it is: %s", e)
 
 
 class EngineCoreProc:
@@ -102,8 +122,13 @@ class EngineCoreProc:
         ModelLoadError, ValueError: from `EngineCore`.
     """
 
-    # Methods of EngineCore a client may call by name with a UTILITY message.
-    UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "echo", "collective_rpc"})
+    # The methods of EngineCore a client may call by name with a UTILITY message, each with its
+    # number of arguments: only ones that read state or are safe under any load. Nothing that
+    # reaches the model, its weights or the KV cache (`collective_rpc`, `load_model`,
+    # `initialize_kv_cache`, `execute_model`) is on the data plane.
+    UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
+        {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1}
+    )
 
     def __init__(
         self,
@@ -121,14 +146,22 @@ class EngineCoreProc:
         self._input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._ipc_dir: str | None = None
+        raise_open_file_limit()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        # A peer that connects and never completes a handshake holds a descriptor this long.
+        router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._input_address = self._bind(router, host, transport)
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
-        self._input_thread = InputThread(self._ctx, router, facts, methods, self._input_queue)
+        # Clients the output thread lets go (they did not take their outputs in time).
+        lagging: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._input_thread = InputThread(
+            self._ctx, router, facts, methods, self._input_queue, lagging_clients=lagging
+        )
         self._output_thread = OutputThread(
-            engine_index, queue.SimpleQueue(), self._ctx, stats_address
+            engine_index, queue.SimpleQueue(), self._ctx, stats_address, lagging_clients=lagging
         )
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None
@@ -237,9 +270,12 @@ class EngineCoreProc:
         self._is_stats_dirty = True
         match item:
             case AddRequest(request):
+                if request.request_id:  # an empty id is refused as it is
+                    request.request_id = f"{request.client_index}/{request.request_id}"
                 self.engine_core.add_request(request)
             case AbortRequests(request_ids, client_index):
-                self.engine_core.abort_requests(request_ids, client_index=client_index)
+                scoped = [f"{client_index}/{r}" for r in request_ids]
+                self.engine_core.abort_requests(scoped, client_index=client_index)
             case UtilityCall(client_index, call_id, method, args):
                 self._call_utility(client_index, call_id, method, args)
             case DetachClient(client_index):
@@ -275,6 +311,12 @@ class EngineCoreProc:
             dropped = orphans.get(client_index)
             if dropped:
                 outputs.outputs = [o for o in outputs.outputs if o.request_id not in dropped]
+            # Request ids are scoped by client in the engine ("<client_index>/<id>"): one
+            # client's ids never meet another's. The client gets its own id back.
+            scope = len(str(client_index)) + 1
+            for output in outputs.outputs:
+                if output.request_id:
+                    output.request_id = output.request_id[scope:]
             self._output_thread.send_or_submit(client_index, outputs)
 
     def _maybe_report_stats(self) -> None:
@@ -375,12 +417,16 @@ def run_engine_core(
     config: EngineConfig,
     engine_index: int,
     ready_pipe: multiprocessing.connection.Connection,
+    *,
+    parent_pid: int | None = None,
+    use_pdeathsig: bool = False,
     **kwargs: Any,
 ) -> None:
     """Process entry: builds an `EngineCoreProc`, reports readiness, serves until SIGTERM.
 
     Sends ("ready", endpoint, "") or ("error", None, traceback) on `ready_pipe` (msgpack).
-    Exits 0 after SIGTERM/SIGINT, non-zero after a startup or fatal error.
+    Exits 0 after SIGTERM/SIGINT, non-zero after a startup or fatal error. With `parent_pid`,
+    it also ends when that process is gone (`shoal.engine.parent_watch`).
     """
 
     def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -388,6 +434,8 @@ def run_engine_core(
 
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
+    if parent_pid is not None:
+        exit_with_parent(parent_pid, use_pdeathsig)
     try:
         proc = EngineCoreProc(config, engine_index=engine_index, **kwargs)
     except BaseException:
@@ -430,6 +478,9 @@ def start_engine_process(
     """
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
+    # The engine ends with this process, however it ends (SIGKILL included).
+    kwargs["parent_pid"] = os.getpid()
+    kwargs["use_pdeathsig"] = threading.current_thread() is threading.main_thread()
     process = context.Process(
         target=run_engine_core,
         args=(config, engine_index, writer),

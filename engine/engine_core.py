@@ -23,11 +23,13 @@ from shoal.engine.protocol import (
     FinishReason,
     SchedulerStats,
 )
+from shoal.engine.rate_limit import LogRateLimiter
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
+_duplicates = LogRateLimiter(logger)
 
 # vLLM's default cap on returned logprobs; computing more costs a top-k over the vocabulary.
 MAX_LOGPROBS = 20
@@ -65,9 +67,7 @@ class EngineCore:
         path = config.model.model
         self.arch = load_model_arch(path)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
-        self.executor: Executor = make_executor(
-            config, self.arch, max_model_len=self.max_model_len
-        )
+        self.executor: Executor = make_executor(config, self.arch, max_model_len=self.max_model_len)
         self.executor.load_model()
         self.num_kv_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
@@ -99,6 +99,16 @@ class EngineCore:
         """Queues a request, or an ERROR output for it if it is invalid. Never raises for one."""
         client = request.client_index
         self.requests_seen[client] = self.requests_seen.get(client, 0) + 1
+        if self.scheduler.get_request(request.request_id) is not None:
+            # An answer would carry the live request's id and finish it a second time: the
+            # duplicate is dropped, and the live request finishes exactly once.
+            _duplicates.warning(
+                "duplicate-id",
+                "engine %d dropped an ADD whose request_id %r is live already",
+                self.engine_index,
+                request.request_id,
+            )
+            return
         error = self._validate(request)
         if error is not None:
             logger.info("rejected request %r: %s", request.request_id, error)

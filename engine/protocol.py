@@ -9,9 +9,12 @@ out-of-band tensor frames) is described in `shoal.engine.serial` and `shoal.engi
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
+
+from shoal.engine.errors import RequestError
 
 # Bumped when a frame layout changes incompatibly; HELLO carries it and the engine refuses a
 # client that speaks another version.
@@ -58,6 +61,37 @@ class RequestOutputKind(enum.IntEnum):
 
 
 _GREEDY_EPSILON = 1e-5
+# Every integer on the wire fits a signed 64-bit value (msgpack's and the sampler's range).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_finite_and_in_range(params: SamplingParams) -> None:
+    """Refuses inf/nan floats and integers outside 64 bits (which no peer can encode).
+
+    Raises:
+        RequestError: naming the field.
+    """
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            raise RequestError(f"{name} must be a finite number, got {value}")
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if value is not None and not _INT64_MIN <= value <= _INT64_MAX:
+            raise RequestError(f"{name} must fit in 64 bits, got {value}")
+    if any(not _INT64_MIN <= t <= _INT64_MAX for t in params.stop_token_ids):
+        raise RequestError("stop_token_ids must fit in 64 bits")
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -92,6 +126,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check_finite_and_in_range(self)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

@@ -200,15 +200,21 @@ class MsgpackDecoder:
             if dtype is None:
                 raise msgspec.ValidationError(f"unknown tensor dtype {dtype_name!r}")
             buffer = self._array_bytes(raw)
-            if len(buffer) == 0:
+            _check_array_size(shape, dtype.itemsize, len(buffer))
+            if len(buffer) == 0:  # a shape with no elements: nothing is left uninitialized
                 return torch.empty(shape, dtype=dtype)
             return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
         if code == _EXT_NDARRAY:
             dtype_str, shape, raw = self._header_decoder.decode(data)
-            np_dtype = np.dtype(dtype_str)
+            try:
+                np_dtype = np.dtype(dtype_str)
+            except TypeError as e:
+                raise msgspec.ValidationError(f"unknown array dtype {dtype_str!r}") from e
             if np_dtype.hasobject:
                 raise msgspec.ValidationError("numpy arrays of Python objects are refused")
-            return np.frombuffer(self._array_bytes(raw), dtype=np_dtype).reshape(shape)
+            buffer = self._array_bytes(raw)
+            _check_array_size(shape, np_dtype.itemsize, len(buffer))
+            return np.frombuffer(buffer, dtype=np_dtype).reshape(shape)
         if code == _EXT_STRUCT:
             name, _, payload = bytes(data).partition(b"\0")
             return self._struct_decoder(name.decode()).decode(payload)
@@ -235,6 +241,21 @@ class MsgpackDecoder:
             decoder = msgspec.msgpack.Decoder(cls, ext_hook=self._ext_hook, dec_hook=_dec_hook)
             self._struct_decoders[name] = decoder
         return decoder
+
+
+def _check_array_size(shape: tuple[int, ...], itemsize: int, num_bytes: int) -> None:
+    """Refuses an array whose shape does not match its bytes exactly: a peer's header must
+    never make the decoder allocate (or hand back) memory the peer did not send."""
+    num_elements = 1
+    for dim in shape:
+        if dim < 0:
+            raise msgspec.ValidationError(f"negative array dimension in shape {shape}")
+        num_elements *= dim
+    if num_elements * itemsize != num_bytes:
+        raise msgspec.ValidationError(
+            f"an array of shape {tuple(shape)} needs {num_elements * itemsize} bytes, "
+            f"{num_bytes} were sent"
+        )
 
 
 def _as_buffer(frame: Frame) -> bytes | bytearray | memoryview:

@@ -29,7 +29,7 @@ def test_a_goodbye_and_its_disconnect_in_one_poll_leave_the_thread_serving() -> 
     port = router.bind_to_random_port("tcp://127.0.0.1")
     work_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     # Not started: the test takes the thread's turns itself, so it controls what one poll sees.
-    thread = InputThread(ctx, router, FACTS, frozenset(), work_queue)
+    thread = InputThread(ctx, router, FACTS, {}, work_queue)
     encoder = MsgpackEncoder()
     pushes: list[zmq.Socket] = []
     try:

@@ -162,15 +162,20 @@ def test_utility_calls_results_failures_and_refusals(peer: RawPeer) -> None:
     assert call_utility(peer, 11, "echo", {"k": [1, 2]}) == {"k": [1, 2]}
     assert call_utility(peer, 12, "reset_prefix_cache") is True
     assert isinstance(call_utility(peer, 13, "get_stats"), SchedulerStats)
-    peer.send_typed(UTILITY, (0, 14, "collective_rpc", ("_private", ())))
+    # Nothing that reaches the model is on the data plane.
+    peer.send_typed(UTILITY, (0, 14, "collective_rpc", ("load_model", ())))
     reply = peer.recv().utility_output
     assert reply is not None and reply.call_id == 14
-    assert reply.failure_message is not None and "no public method" in reply.failure_message
+    assert reply.failure_message is not None and "not available" in reply.failure_message
+    peer.send_typed(UTILITY, (0, 16, "echo", (1, 2)))  # arguments are checked
+    reply = peer.recv().utility_output
+    assert reply is not None and reply.failure_message is not None
+    assert "takes 1 arguments, got 2" in reply.failure_message
     peer.send_typed(UTILITY, (0, 15, "shutdown", ()))
     reply = peer.recv().utility_output
     assert reply is not None and reply.call_id == 15
     assert reply.failure_message is not None
-    assert "unknown utility method 'shutdown'" in reply.failure_message
+    assert "utility method 'shutdown' is not available" in reply.failure_message
     assert call_utility(peer, 17, "echo", 5) == 5  # the engine still serves
 
 
