@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from shoal.client.async_mp_client import AsyncMPClient
+from shoal.client.fan_out import generate_fan_out
 from shoal.client.output_processor import OutputProcessor, RequestOutputCollector
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, tokenize_prompt
@@ -133,11 +134,36 @@ class AsyncLLM:
             EngineDeadError: the engine serving it died.
         """
         self._check_loop()
+        params = sampling_params or SamplingParams()
+        external_id = request_id or uuid.uuid4().hex
+        if params.n > 1:  # n engine requests, merged (`shoal.client.fan_out`)
+            children = generate_fan_out(
+                lambda child, child_id: self._generate_one(
+                    prompt, child, child_id, data_parallel_rank
+                ),
+                params,
+                external_id,
+            )
+            async with contextlib.aclosing(children) as merged_outputs:
+                async for merged in merged_outputs:
+                    yield merged
+            return
+        # aclosing: a consumer that stops early aborts the engine request now, not at GC.
+        one = self._generate_one(prompt, params, external_id, data_parallel_rank)
+        async with contextlib.aclosing(one) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _generate_one(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        external_id: str,
+        data_parallel_rank: int | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         if self._dead_error is not None:
             raise self._dead_error
-        params = sampling_params or SamplingParams()
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        external_id = request_id or uuid.uuid4().hex
         request = EngineCoreRequest(
             request_id=self._engine_request_id(external_id),
             prompt_token_ids=token_ids,

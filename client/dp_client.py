@@ -61,6 +61,8 @@ class DPAsyncMPClient(AsyncMPClient):
         # Called with a rank's index when this client learns it lost that rank (a cluster
         # link reports it at once).
         self.on_engine_lost: Callable[[int], None] | None = None
+        # Each attached rank's load as the coordinator last published it (`latest_stats`).
+        self._latest_stats: dict[int, SchedulerStats] = {}
         super().__init__(endpoints, **kwargs)
         # Ranks that may take new requests: attached and not known dead.
         self.lb_engines: list[int] = sorted(self.engines)
@@ -130,7 +132,12 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._on_let_go(rank, "its stats no longer list this client")
                 continue
             seen = report.requests_seen.get(self.client_index, 0)
+            self._latest_stats[rank] = report.stats
             self._on_rank_stats(rank, report.stats, seen)
+
+    def latest_stats(self) -> dict[int, SchedulerStats]:
+        """The latest published load of each rank this client is attached to, by rank."""
+        return {r: s for r, s in self._latest_stats.items() if r in self.engines}
 
     def _is_detached_by(self, report: EngineStatsReport) -> bool:
         """Whether a report of an engine this client is attached to says it is not (anymore).

@@ -14,6 +14,7 @@ from typing import Any, Protocol, cast
 
 from tqdm import tqdm
 
+from shoal.client.fan_out import child_params, child_request_id, merge_outputs
 from shoal.client.output_processor import OutputProcessor
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
@@ -142,17 +143,28 @@ class LLM:
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
         request_ids: list[str] = []
+        # Parent id -> its children's ids, for prompts with n > 1 (`shoal.client.fan_out`).
+        groups: dict[str, list[str]] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
             text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-            request = EngineCoreRequest(
-                request_id=str(next(self._counter)),
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                arrival_time=time.time(),
+            parent_id = str(next(self._counter))
+            children = child_params(params)
+            child_ids = (
+                [parent_id]
+                if len(children) == 1
+                else [child_request_id(parent_id, i) for i in range(len(children))]
             )
-            processor.add_request(request, text)
-            self._driver.add_request(request)
-            request_ids.append(request.request_id)
+            groups[parent_id] = child_ids
+            for child_id, child in zip(child_ids, children, strict=True):
+                request = EngineCoreRequest(
+                    request_id=child_id,
+                    prompt_token_ids=token_ids,
+                    sampling_params=child,
+                    arrival_time=time.time(),
+                )
+                processor.add_request(request, text)
+                self._driver.add_request(request)
+                request_ids.append(request.request_id)
         final: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -169,7 +181,10 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [final[request_id] for request_id in request_ids]
+        return [
+            final[ids[0]] if len(ids) == 1 else merge_outputs(parent, [final[i] for i in ids])
+            for parent, ids in groups.items()
+        ]
 
     def get_stats(self) -> SchedulerStats:
         """The engine's current load and cumulative counters (prefix-cache hits, preemptions)."""

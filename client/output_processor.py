@@ -154,6 +154,7 @@ class RequestState:
             metrics = self.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+                metrics.queue_time = output.queue_time_s
             metrics.last_token_time = now
             self.token_ids.extend(new_token_ids)
             if output.new_logprobs is not None:

@@ -41,6 +41,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    queue_time: float | None = None  # seconds the engine held it before first scheduling it
 
     @property
     def time_to_first_token(self) -> float | None:

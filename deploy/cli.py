@@ -1,6 +1,7 @@
 """The `shoal` command: serve a cluster, drive it, show its status, stop it, or run the demo.
 
-    shoal serve --model PATH --data-parallel-size N [--namespace NAME] [engine flags]
+    shoal serve --model PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
+    shoal api-server --namespace NAME [--host H] [--port P] [--api-key KEY]
     shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
     shoal status [--namespace NAME] [--json]
     shoal stop [--namespace NAME] [--timeout S]
@@ -23,6 +24,7 @@ import ray
 
 from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, attach
 from shoal.deploy import demo, generate, serve
+from shoal.deploy.openai import server as api_server
 
 logger = logging.getLogger("shoal")
 
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_serve_args(
         commands.add_parser("serve", help="launch a cluster and serve until stopped")
+    )
+    api_server.add_api_server_args(
+        commands.add_parser(
+            "api-server", help="serve the OpenAI API of a running cluster (attach by namespace)"
+        )
     )
     status = commands.add_parser("status", help="ranks, their load, and attached clients")
     serve.add_ray_args(status)
@@ -63,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return generate.run(args)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "api-server":
+        return api_server.run(args)
     try:
         handle = _attach(args.address, args.namespace)
     except (ConnectionError, ClusterNotFoundError) as e:

@@ -3,7 +3,8 @@
 This is the command users put behind `ray job submit -- ...`. It connects to Ray, launches
 the cluster, logs one line with the namespace and ranks once every rank serves, then waits
 for `shoal stop` (the registry's stop flag), SIGTERM or SIGINT, and tears the cluster down
-(no actor, no placement group left) before exiting 0.
+(no actor, no placement group left) before exiting 0. With `--port`, it also serves the
+OpenAI API (`shoal.deploy.openai`) from a thread of this process while the cluster runs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from shoal.cluster.launch import (
     launch,
 )
 from shoal.cluster.placement import RankResources
+from shoal.deploy.openai.server import FrontEndThread, add_http_args, front_end_config
 from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
 logger = logging.getLogger("shoal.serve")
@@ -50,7 +52,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="local HF directory or .gguf file")
     add_ray_args(parser)
     parser.add_argument(
-        "--host", default=None, help="address engines and coordinator bind (default: node IP)"
+        "--data-parallel-address",
+        default=None,
+        help="address engines and coordinator bind (default: node IP)",
+    )
+    add_http_args(parser, port_default=None)
+    parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP front ends this process runs (1; attach more with `shoal api-server`)",
     )
     parser.add_argument("--num-cpus-per-rank", type=float, default=1.0)
     parser.add_argument(
@@ -119,6 +130,17 @@ class _StopSignals:
 def run(args: argparse.Namespace) -> int:
     """Runs `shoal serve` with parsed arguments. Returns the exit code."""
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_cli(args))
+    if args.api_server_count != 1:
+        logger.error(
+            "--api-server-count %d: `shoal serve` runs one front end; attach more, on any "
+            "node, with `shoal api-server --namespace %s --port P`",
+            args.api_server_count,
+            args.namespace,
+        )
+        return 2
+    if args.port is not None and args.detached:
+        logger.error("--port serves from this process, which --detached leaves at once")
+        return 2
     stop = _StopSignals()
     try:
         connect_ray(args.address, args.namespace, can_start_local=True)
@@ -128,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             resources=_rank_resources(args),
             placement_strategy=args.placement_strategy,
-            host=args.host,
+            host=args.data_parallel_address,
             detached=args.detached,
             ready_timeout_s=args.ready_timeout,
         )
@@ -159,7 +181,19 @@ def run(args: argparse.Namespace) -> int:
             logger.info("detached: stop it with `shoal stop --namespace %s`", args.namespace)
             return 0
         ray.get(handle.registry.set_served_by.remote(f"{socket.gethostname()}:{os.getpid()}"))
-        handle.wait_until_stop_requested(poll_s=1.0, should_stop=stop.event.is_set)
+        front_end = _start_front_end(args)
+        try:
+            handle.wait_until_stop_requested(
+                poll_s=1.0,
+                should_stop=lambda: (
+                    stop.event.is_set() or (front_end is not None and not front_end.is_alive)
+                ),
+            )
+        finally:
+            if front_end is not None:
+                front_end.stop()
+        if front_end is not None and front_end.error is not None:
+            raise front_end.error
     except BaseException:
         logger.exception("serving failed; tearing the cluster down")
         handle.shutdown()
@@ -168,6 +202,15 @@ def run(args: argparse.Namespace) -> int:
     handle.shutdown()
     logger.info("cluster in namespace %s stopped", args.namespace)
     return 0
+
+
+def _start_front_end(args: argparse.Namespace) -> FrontEndThread | None:
+    """The HTTP front end of `--port`, serving from a thread of this process."""
+    if args.port is None:
+        return None
+    front_end = FrontEndThread(front_end_config(args, args.port))
+    front_end.start()
+    return front_end
 
 
 def _rank_resources(args: argparse.Namespace) -> RankResources:

@@ -18,7 +18,7 @@ from shoal.engine.errors import RequestError
 
 # Bumped when a frame layout changes incompatibly; HELLO carries it and the engine refuses a
 # client that speaks another version.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Utility call id reserved for engine-initiated notifications (elastic EP events). A frame with
 # this call id is an event for the client's notification handler, never a reply to a call.
@@ -122,6 +122,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # >1 discourages prompt and output tokens (HF's rule)
     min_p: float = 0.0  # drops tokens less likely than min_p x the likeliest, after temperature
+    # Sequences to return for the prompt. The client fans a request with n > 1 out to n engine
+    # requests (`shoal.client.fan_out`); an engine only ever sees n == 1.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,6 +159,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
 
     @property
     def is_greedy(self) -> bool:
@@ -202,6 +207,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error_message: str | None = None  # set with FinishReason.ERROR
+    # With a request's first token: seconds it waited in the engine before first scheduled.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -62,6 +62,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not looked up
         self.num_preemptions = 0
+        # Engine-local monotonic times: taken in, and first scheduled (for the queue time).
+        self.queued_at = time.monotonic()
+        self.first_scheduled_at: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error_message: str | None = None

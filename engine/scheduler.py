@@ -8,6 +8,7 @@ preemption by recompute. No torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -247,6 +248,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = time.monotonic()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
@@ -297,7 +300,14 @@ class Scheduler:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            queue_time_s=self._queue_time_s(request) if request.num_output_tokens == 1 else None,
         )
+
+    @staticmethod
+    def _queue_time_s(request: Request) -> float | None:
+        if request.first_scheduled_at is None:
+            return None
+        return request.first_scheduled_at - request.queued_at
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

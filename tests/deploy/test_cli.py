@@ -120,7 +120,7 @@ def test_detached_serve_then_status_then_stop(
     namespace = unique_namespace("cli")
     serve_argv = [
         "serve", "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
-        "--host", "127.0.0.1", "--detached", *TINY_ENGINE_FLAGS,
+        "--data-parallel-address", "127.0.0.1", "--detached", *TINY_ENGINE_FLAGS,
     ]  # fmt: skip
     assert cli.main(serve_argv) == 0
     capsys.readouterr()

@@ -65,7 +65,7 @@ def _shoal(head: RayHead, *args: str, timeout_s: float = 90.0) -> subprocess.Com
 def _serve_args(checkpoint: str, namespace: str) -> list[str]:
     return [
         "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
-        "--host", "127.0.0.1", *TINY_ENGINE_FLAGS,
+        "--data-parallel-address", "127.0.0.1", *TINY_ENGINE_FLAGS,
     ]  # fmt: skip
 
 

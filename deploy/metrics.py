@@ -1,0 +1,198 @@
+"""Prometheus metrics of one HTTP front end, under vLLM's names and labels, plus `shoal:` ones.
+
+Two sources, nothing polled from the engines:
+
+- Per-rank series (`vllm:num_requests_running`, `..._waiting`, `vllm:kv_cache_usage_perc`,
+  `vllm:num_preemptions_total`, `vllm:prefix_cache_{queries,hits}_total`) are read at scrape
+  time from the coordinator's stats stream that this front end's DP client subscribes to. They
+  describe the rank, so every front end of a cluster shows the same values: aggregate them
+  across front ends with `max by (engine)`, not `sum`.
+- Request series (token counters, `vllm:request_success_total`, the latency and size
+  histograms, `shoal:requests_routed_total`) count what this front end served. Each front end
+  is its own scrape target; `sum` over targets gives the cluster's totals.
+
+Labels: `model_name` (the served model name) and `engine` (the DP rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shoal.client.outputs import RequestMetrics
+from shoal.engine.protocol import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+@dataclass
+class ClusterFacts:
+    """What the registry says about the cluster, refreshed before each scrape."""
+
+    ranks_by_state: dict[str, int] = field(default_factory=dict)
+    num_clients: int = 0
+
+
+class _RankCollector(Collector):
+    """Per-rank gauges and engine counters from the latest published stats."""
+
+    def __init__(
+        self,
+        model_name: str,
+        rank_stats: Callable[[], dict[int, SchedulerStats]],
+        cluster: ClusterFacts,
+    ) -> None:
+        self._model_name = model_name
+        self._rank_stats = rank_stats
+        self._cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "engine"]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "running": GaugeMetricFamily(
+                "vllm:num_requests_running", "Requests running on the rank.", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "vllm:num_requests_waiting", "Requests waiting on the rank.", labels=labels
+            ),
+            "kv": GaugeMetricFamily(
+                "vllm:kv_cache_usage_perc", "KV cache usage, 1 = full.", labels=labels
+            ),
+            "preemptions": CounterMetricFamily(
+                "vllm:num_preemptions", "Preemptions on the rank.", labels=labels
+            ),
+            "queries": CounterMetricFamily(
+                "vllm:prefix_cache_queries", "Prompt tokens looked up.", labels=labels
+            ),
+            "hits": CounterMetricFamily(
+                "vllm:prefix_cache_hits", "Prompt tokens found cached.", labels=labels
+            ),
+        }
+        for rank, stats in sorted(self._rank_stats().items()):
+            values = [self._model_name, str(rank)]
+            families["running"].add_metric(values, stats.num_running_reqs)
+            families["waiting"].add_metric(values, stats.num_waiting_reqs)
+            families["kv"].add_metric(values, stats.kv_cache_usage)
+            families["preemptions"].add_metric(values, stats.num_preemptions_total)
+            families["queries"].add_metric(values, stats.prefix_cache_queries_total)
+            families["hits"].add_metric(values, stats.prefix_cache_hits_total)
+        yield from families.values()
+        ranks = GaugeMetricFamily(
+            "shoal:ranks", "The cluster's ranks by state.", labels=["model_name", "state"]
+        )
+        for state, count in sorted(self._cluster.ranks_by_state.items()):
+            ranks.add_metric([self._model_name, state], count)
+        yield ranks
+        clients = GaugeMetricFamily(
+            "shoal:attached_clients",
+            "Clients (front ends, drivers) attached to the cluster.",
+            labels=["model_name"],
+        )
+        clients.add_metric([self._model_name], self._cluster.num_clients)
+        yield clients
+
+
+class ServerMetrics:
+    """The registry one front end serves at /metrics; `observe_finished` feeds it."""
+
+    def __init__(
+        self, model_name: str, rank_stats: Callable[[], dict[int, SchedulerStats]]
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.cluster = ClusterFacts()
+        labels = ["model_name", "engine"]
+        reg = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of served requests.", labels, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated for served requests.", labels, registry=reg
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.routed = Counter(
+            "shoal:requests_routed", "Requests this front end sent to each rank.", labels,
+            registry=reg,
+        )  # fmt: skip
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time waiting in the engine.", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        reg.register(_RankCollector(model_name, rank_stats, self.cluster))
+
+    def observe_sequence(
+        self,
+        rank: int | None,
+        *,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        finish_reason: str,
+        metrics: RequestMetrics,
+        count_prompt: bool = True,
+    ) -> None:
+        """Counts one finished sequence (one engine request).
+
+        Inter-token latency is the sequence's mean gap, observed once per gap: the front end
+        sees when the first and the last token arrived, not every token (a stream's deltas
+        coalesce when the reader is behind).
+
+        Args:
+            count_prompt: add the prompt tokens to the counter (False for the 2nd..nth
+                sequence of an `n > 1` request, whose prompt the usage bills once).
+        """
+        labels = (self.model_name, "" if rank is None else str(rank))
+        if count_prompt:
+            self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(num_generation_tokens)
+        self.request_success.labels(*labels, finish_reason).inc()
+        self.routed.labels(*labels).inc()
+        self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(num_generation_tokens)
+        first, last = metrics.first_token_time, metrics.last_token_time
+        if first is not None:
+            self.ttft.labels(*labels).observe(first - metrics.arrival_time)
+            if last is not None and num_generation_tokens > 1:
+                gap = (last - first) / (num_generation_tokens - 1)
+                itl = self.itl.labels(*labels)
+                for _ in range(num_generation_tokens - 1):
+                    itl.observe(gap)
+        if metrics.finished_time is not None:
+            self.e2e.labels(*labels).observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.queue_time is not None:
+            self.queue_time.labels(*labels).observe(metrics.queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,119 @@
+"""The FastAPI app of one front end: OpenAI's and vLLM's endpoints over a `ServerState`.
+
+    GET  /v1/models               the served model
+    POST /v1/completions          text completions, streamed (SSE) or not
+    POST /v1/chat/completions     chat completions, streamed (SSE) or not
+    POST /tokenize, /detokenize   the model's tokenizer
+    GET  /health                  200 while a rank serves, else 503
+    GET  /metrics                 Prometheus text (see `shoal.deploy.metrics`)
+    GET  /version, /load          shoal's version; requests in progress here
+
+With an API key, every `/v1/*` request needs `Authorization: Bearer KEY` (else 401); the
+other endpoints stay open, as vLLM's do, for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+from http import HTTPStatus
+
+from fastapi import FastAPI, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from shoal import __version__
+from shoal.deploy.metrics import CONTENT_TYPE
+from shoal.deploy.openai.chat import create_chat_completion
+from shoal.deploy.openai.completions import create_completion
+from shoal.deploy.openai.errors import OpenAIError, error_response, install_handlers
+from shoal.deploy.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from shoal.deploy.openai.state import ServerState
+from shoal.deploy.openai.tokenization import detokenize, tokenize
+
+
+class _FrontDoor:
+    """Pure ASGI middleware: the API-key check on /v1/*, and the count of requests in progress
+    (a streamed response counts until its last byte)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        expected = f"Bearer {state.api_key}" if state.api_key else None
+        self._expected = expected.encode() if expected else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._expected is not None and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = OpenAIError("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
+                await error_response(error)(scope, receive, send)
+                return
+        is_work = scope["method"] == "POST"
+        self.state.num_in_flight += is_work
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_in_flight -= is_work
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app serving `state`'s model."""
+    app = FastAPI(title="shoal", version=__version__, docs_url=None, redoc_url=None)
+    install_handlers(app)
+    app.add_middleware(_FrontDoor, state=state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = HTTPStatus.OK if state.serving_ranks() else HTTPStatus.SERVICE_UNAVAILABLE
+        return Response(status_code=int(status))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await state.refresh_cluster_facts()
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return {"server_load": state.num_in_flight}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=state.model_name,
+            root=state.llm.config.model.model,
+            max_model_len=state.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return await create_chat_completion(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(state, request)
+
+    return app

@@ -1,0 +1,210 @@
+"""One prompt's generation as the endpoints drive it: started, streamed as deltas, accumulated.
+
+`Generation.start` waits for the first output before any response header is sent, so a
+request the engine rejects (prompt over the limit, invalid token ids) is a 400 and a cluster
+with no serving rank a 503, never a broken 200 stream. Every sequence that finishes is counted
+in the front end's metrics. Closing a generation (the client went away) aborts its engine
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from shoal.client.outputs import CompletionOutput, Logprob, RequestOutput
+from shoal.client.prompts import PromptType, tokenize_prompt
+from shoal.deploy.openai.errors import OpenAIError, error_body, from_exception
+from shoal.deploy.openai.protocol import UsageInfo
+from shoal.deploy.openai.state import ServerState
+from shoal.engine.protocol import SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """One sequence's text, tokens and logprobs so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def as_output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class Generation:
+    """The engine requests of one prompt (n of them for `n > 1`), streamed as deltas."""
+
+    def __init__(self, state: ServerState, prompt: PromptType, params: SamplingParams) -> None:
+        """Raises OpenAIError: the prompt and `max_tokens` exceed the context (400)."""
+        text, token_ids = tokenize_prompt(state.tokenizer, prompt)
+        _check_length(len(token_ids), params.max_tokens, state.max_model_len)
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        self._stream = state.llm.generate(prompt, params, uuid.uuid4().hex)
+        self._metrics = state.metrics
+        self.choices = [ChoiceState() for _ in range(params.n)]
+        self.num_prompt_tokens = 0
+        self._first: RequestOutput | None = None
+
+    async def start(self) -> None:
+        """Waits for the first output.
+
+        Raises:
+            OpenAIError: the engine rejected the request (400) or no rank serves (503).
+        """
+        try:
+            self._first = await anext(aiter(self._stream))
+        except BaseException as e:
+            await self.close()
+            if isinstance(e, Exception):
+                raise from_exception(e) from e
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """(choice index, what is new in it), until every sequence has finished.
+
+        Raises:
+            OpenAIError: the generation failed midway (the engine died).
+        """
+        output = self._first
+        try:
+            while output is not None:
+                for completion in output.outputs:
+                    self._absorb(output, completion)
+                    yield completion.index, completion
+                if output.finished:
+                    break
+                output = await anext(aiter(self._stream), None)
+        except Exception as e:
+            raise from_exception(e) from e
+        finally:
+            await self.close()
+
+    async def run(self) -> None:
+        """Runs to the end without streaming."""
+        async for _ in self.deltas():
+            pass
+
+    async def close(self) -> None:
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def _absorb(self, output: RequestOutput, delta: CompletionOutput) -> None:
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        choice = self.choices[delta.index]
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None and choice.finish_reason is None:
+            choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
+            self._metrics.observe_sequence(
+                output.data_parallel_rank,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_generation_tokens=len(choice.token_ids),
+                finish_reason=delta.finish_reason,
+                metrics=output.metrics,
+                count_prompt=delta.index == 0,
+            )
+
+
+def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int | None) -> None:
+    if max_model_len is None:
+        return
+    if num_prompt >= max_model_len or num_prompt + (max_tokens or 0) > max_model_len:
+        raise OpenAIError(
+            f"this model's maximum context length is {max_model_len} tokens; the request has "
+            f"{num_prompt} prompt tokens and asks for {max_tokens or 0} more",
+            param="max_tokens" if num_prompt < max_model_len else "prompt",
+        )
+
+
+async def start_all(generations: Sequence[Generation]) -> None:
+    """Starts every generation; on any failure closes them all and raises the first error."""
+    results = await asyncio.gather(*(g.start() for g in generations), return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        await asyncio.gather(*(g.close() for g in generations), return_exceptions=True)
+        raise failure
+
+
+def usage_of(generations: Sequence[Generation]) -> UsageInfo:
+    prompt = sum(g.num_prompt_tokens for g in generations)
+    completion = sum(g.num_completion_tokens for g in generations)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+async def merged_deltas(
+    generations: Sequence[Generation],
+) -> AsyncIterator[tuple[int, int, CompletionOutput]]:
+    """(generation index, choice index, delta) of several generations as they arrive."""
+    if len(generations) == 1:
+        async for index, delta in generations[0].deltas():
+            yield 0, index, delta
+        return
+    queue: asyncio.Queue[tuple[int, int, CompletionOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, generation: Generation) -> None:
+        try:
+            async for index, delta in generation.deltas():
+                queue.put_nowait((i, index, delta))
+        except Exception as e:
+            queue.put_nowait(e)
+        else:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON body."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    error = e if isinstance(e, OpenAIError) else from_exception(e)
+    return sse(error_body(error))

@@ -1,0 +1,286 @@
+{{/*
+Names, labels, the image, the `shoal serve` command line, the head's script and the pieces of
+a worker group. Everything the templates share lives here.
+*/}}
+
+{{- define "shoal.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* KubeRay appends -head-xxxxx / -<group>-worker-xxxxx to it: keep room for those. */}}
+{{- define "shoal.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "shoal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* KubeRay labels every pod of the cluster; the head alone carries node-type head. */}}
+{{- define "shoal.headSelector" -}}
+ray.io/cluster: {{ include "shoal.fullname" . }}
+ray.io/node-type: head
+{{- end }}
+
+{{- define "shoal.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "shoal.apiKeySecretName" -}}
+{{- if .Values.server.apiKey.existingSecret }}
+{{- .Values.server.apiKey.existingSecret }}
+{{- else }}
+{{- printf "%s-api-key" (include "shoal.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.hasApiKey" -}}
+{{- if or .Values.server.apiKey.value .Values.server.apiKey.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "shoal.rayMetricsPort" -}}
+{{- index .Values.head.rayStartParams "metrics-export-port" | default "8080" }}
+{{- end }}
+
+{{- define "shoal.gcsPort" -}}
+{{- index .Values.head.rayStartParams "port" | default "6379" }}
+{{- end }}
+
+{{/* The model volume source, from exactly one of existingClaim, hostPath, spec. */}}
+{{- define "shoal.modelVolumeSource" -}}
+{{- $v := .Values.modelSpec.volume }}
+{{- $set := 0 }}
+{{- if $v.existingClaim }}{{ $set = add1 $set }}{{ end }}
+{{- if $v.hostPath }}{{ $set = add1 $set }}{{ end }}
+{{- if $v.spec }}{{ $set = add1 $set }}{{ end }}
+{{- if gt $set 1 }}
+{{- fail "modelSpec.volume: set only one of existingClaim, hostPath and spec" }}
+{{- end }}
+{{- if $v.existingClaim }}
+persistentVolumeClaim:
+  claimName: {{ $v.existingClaim }}
+  readOnly: {{ $v.readOnly }}
+{{- else if $v.hostPath }}
+hostPath:
+  path: {{ $v.hostPath }}
+  type: Directory
+{{- else if $v.spec }}
+{{- toYaml $v.spec }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.modelPath" -}}
+{{- $v := .Values.modelSpec.volume }}
+{{- if or $v.existingClaim $v.hostPath $v.spec }}
+{{- printf "%s/%s" (trimSuffix "/" $v.mountPath) (trimPrefix "/" .Values.modelSpec.path) }}
+{{- else }}
+{{- .Values.modelSpec.path }}
+{{- end }}
+{{- end }}
+
+{{/*
+The `shoal serve` arguments, as a JSON list: each model-spec value maps onto the flag of the
+same meaning that `shoal serve --help` lists.
+*/}}
+{{- define "shoal.serveArgs" -}}
+{{- $m := .Values.modelSpec }}
+{{- $args := list "--model" (include "shoal.modelPath" .) }}
+{{- if $m.name }}
+{{- $args = concat $args (list "--served-model-name" $m.name) }}
+{{- end }}
+{{- $args = concat $args (list "--namespace" .Values.server.namespace) }}
+{{- $args = concat $args (list "--host" "0.0.0.0" "--port" (toString .Values.server.port)) }}
+{{- $args = concat $args (list "--data-parallel-size" (toString (int $m.dataParallelSize))) }}
+{{- $args = concat $args (list "--num-gpus-per-rank" (toString $m.gpusPerRank)) }}
+{{- if $m.enableExpertParallel }}
+{{- $args = append $args "--enable-expert-parallel" }}
+{{- end }}
+{{- if $m.maxModelLen }}
+{{- $args = concat $args (list "--max-model-len" (toString (int $m.maxModelLen))) }}
+{{- end }}
+{{- $args = concat $args (list "--dtype" $m.dtype) }}
+{{- $args = concat $args $m.extraArgs }}
+{{- toJson $args }}
+{{- end }}
+
+{{/* One word for bash, single-quoted unless it is plainly safe. */}}
+{{- define "shoal.shellWord" -}}
+{{- if regexMatch "^[A-Za-z0-9_./=:,+@%-]+$" . }}
+{{- . }}
+{{- else }}
+{{- printf "'%s'" (replace "'" "'\\''" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.serveCommand" -}}
+{{- $words := list "shoal" "serve" }}
+{{- range (include "shoal.serveArgs" . | fromJsonArray) }}
+{{- $words = append $words (include "shoal.shellWord" (toString .)) }}
+{{- end }}
+{{- join " " $words }}
+{{- end }}
+
+{{/*
+The head container's script. Ray's head starts exactly as KubeRay generates it from
+rayStartParams (KUBERAY_GEN_RAY_START_CMD, with --block), `shoal serve` starts once the GCS
+answers, and the container ends when either ends, so that Kubernetes restarts both together.
+SIGTERM stops shoal serve first (it tears the engines down), then Ray.
+*/}}
+{{- define "shoal.headScript" -}}
+ulimit -n 65536
+/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &
+ray_pid=$!
+serve_pid=""
+stop() {
+  if [ -n "$serve_pid" ]; then kill -TERM "$serve_pid" 2>/dev/null; wait "$serve_pid"; fi
+  kill -TERM "$ray_pid" 2>/dev/null
+  wait "$ray_pid"
+  exit 0
+}
+trap stop TERM INT
+until ray health-check --address "127.0.0.1:{{ include "shoal.gcsPort" . }}" >/dev/null 2>&1; do
+  kill -0 "$ray_pid" 2>/dev/null || { echo "ray start exited" >&2; exit 1; }
+  sleep 2
+done
+{{ include "shoal.serveCommand" . }} &
+serve_pid=$!
+wait -n "$ray_pid" "$serve_pid"
+status=$?
+echo "ray or shoal serve exited (status $status); ending the head" >&2
+kill -TERM "$serve_pid" "$ray_pid" 2>/dev/null
+wait
+exit 1
+{{- end }}
+
+{{/* Shared pod-spec fields of a group: dict "root" $ "group" <values of the group>. */}}
+{{- define "shoal.podPlacement" -}}
+{{- $g := .group }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $g.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with $g.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $g.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $g.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $g.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $g.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* A container's resources with nvidia.com/gpu added to limits and requests: dict "resources" "gpus". */}}
+{{- define "shoal.gpuResources" -}}
+{{- $limits := deepCopy (default dict .resources.limits) }}
+{{- $requests := deepCopy (default dict .resources.requests) }}
+{{- if gt (int .gpus) 0 }}
+{{- $_ := set $limits "nvidia.com/gpu" (int .gpus) }}
+{{- $_ := set $requests "nvidia.com/gpu" (int .gpus) }}
+{{- end }}
+{{- with $limits }}
+limits:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $requests }}
+requests:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* One entry of spec.workerGroupSpecs: dict "root" $ "name" <groupName> "group" <values>. */}}
+{{- define "shoal.workerGroup" -}}
+{{- $root := .root }}
+{{- $g := .group }}
+{{- $name := .name }}
+{{- if or (lt (int $g.replicas) (int $g.minReplicas)) (gt (int $g.replicas) (int $g.maxReplicas)) }}
+{{- fail (printf "worker group %s: replicas (%d) must lie between minReplicas (%d) and maxReplicas (%d)" $name (int $g.replicas) (int $g.minReplicas) (int $g.maxReplicas)) }}
+{{- end }}
+{{- if hasKey (default dict $g.rayStartParams) "num-gpus" }}
+{{- fail (printf "worker group %s: set its gpus, not rayStartParams.num-gpus (the chart keeps the two equal)" $name) }}
+{{- end }}
+- groupName: {{ $name }}
+  replicas: {{ int $g.replicas }}
+  minReplicas: {{ int $g.minReplicas }}
+  maxReplicas: {{ int $g.maxReplicas }}
+  rayStartParams:
+    {{- range $k, $v := $g.rayStartParams }}
+    {{ $k }}: {{ toString $v | quote }}
+    {{- end }}
+    num-gpus: {{ toString (int $g.gpus) | quote }}
+  template:
+    metadata:
+      labels:
+        {{- include "shoal.labels" $root | nindent 8 }}
+        {{- with $g.labels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $g.annotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- include "shoal.podPlacement" (dict "root" $root "group" $g) | nindent 6 }}
+      containers:
+        - name: ray-worker
+          image: {{ include "shoal.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          {{- with $g.containerEnv }}
+          env:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- with $g.envFrom }}
+          envFrom:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          resources:
+            {{- include "shoal.gpuResources" (dict "resources" (default dict $g.resources) "gpus" $g.gpus) | nindent 12 }}
+          volumeMounts:
+            - name: dshm
+              mountPath: /dev/shm
+            {{- if include "shoal.modelVolumeSource" $root }}
+            - name: model
+              mountPath: {{ $root.Values.modelSpec.volume.mountPath }}
+              readOnly: {{ $root.Values.modelSpec.volume.readOnly }}
+            {{- end }}
+            {{- with $g.volumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ default "16Gi" $g.shmSize }}
+        {{- with include "shoal.modelVolumeSource" $root }}
+        - name: model
+          {{- . | nindent 10 }}
+        {{- end }}
+        {{- with $g.volumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+{{- end }}

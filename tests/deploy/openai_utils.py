@@ -1,0 +1,118 @@
+"""A real `shoal serve --port` (and `shoal api-server`) on a `ray start --head` node, for the
+OpenAI front-end tests; and reading `/metrics` with `prometheus_client`'s parser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.ray_utils import REPO_ROOT, RayHead, free_port, ray_env
+
+TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
+API_KEY = "test-key"
+MODEL_NAME = "tiny-llama"
+READY_TIMEOUT_S = 240.0
+
+
+@dataclass
+class FrontEnd:
+    """A `shoal` process serving HTTP on 127.0.0.1:port."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def start_shoal(head: RayHead, args: Sequence[str], log: Path) -> FrontEnd:
+    """Runs `python -m deploy ARGS --port P` and waits until `/health` answers 200."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy", *args, "--port", str(port),
+             "--address", head.gcs_address],
+            stdout=out, stderr=subprocess.STDOUT, env=ray_env(), cwd=REPO_ROOT,
+        )  # fmt: skip
+    front_end = FrontEnd(proc, port, log)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"shoal exited {proc.returncode}:\n{front_end.output()}")
+        if http_status(f"{front_end.base_url}/health") == 200:
+            return front_end
+        time.sleep(0.5)
+    front_end.stop()
+    raise AssertionError(f"no /health within {READY_TIMEOUT_S} s:\n{front_end.output()}")
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
+
+
+def request_json(
+    url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """GET (no body) or POST a JSON body; returns (status, decoded JSON or None)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={**(headers or {})})
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, raw = int(response.status), response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = int(e.code), e.read()
+    return status, json.loads(raw) if raw else None
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """`/metrics`, parsed: each sample name with its labels → value."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def total(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels`."""
+    wanted = [f"{k}={v}" for k, v in labels.items()]
+    return sum(
+        value
+        for key, value in samples.items()
+        if key.split("{", 1)[0] == name and all(w in key for w in wanted)
+    )

@@ -1,0 +1,100 @@
+"""`ServerMetrics` without a cluster: vLLM's names and labels, values from the stats and the
+sequences it is fed, text that `prometheus_client`'s parser reads, and a Grafana dashboard
+that only asks for series the front end publishes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from shoal.client.outputs import RequestMetrics
+from shoal.deploy.metrics import ServerMetrics
+from shoal.engine.protocol import SchedulerStats
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "shoal-dashboard.json"
+
+
+def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _make() -> ServerMetrics:
+    stats = {
+        0: SchedulerStats(
+            num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25,
+            prefix_cache_queries_total=100, prefix_cache_hits_total=40, num_preemptions_total=2,
+        ),
+        1: SchedulerStats(num_running_reqs=0, kv_cache_usage=0.0),
+    }  # fmt: skip
+    metrics = ServerMetrics("m", lambda: stats)
+    metrics.cluster.ranks_by_state = {"ready": 2}
+    metrics.cluster.num_clients = 3
+    return metrics
+
+
+def test_rank_series_come_from_the_latest_stats() -> None:
+    samples = _samples(_make())
+    rank0 = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:num_requests_running", rank0)] == 3
+    assert samples[("vllm:num_requests_waiting", rank0)] == 1
+    assert samples[("vllm:kv_cache_usage_perc", rank0)] == 0.25
+    assert samples[("vllm:prefix_cache_queries_total", rank0)] == 100
+    assert samples[("vllm:prefix_cache_hits_total", rank0)] == 40
+    assert samples[("vllm:num_preemptions_total", rank0)] == 2
+    assert samples[("vllm:num_requests_running", (("engine", "1"), ("model_name", "m")))] == 0
+    assert samples[("shoal:ranks", (("model_name", "m"), ("state", "ready")))] == 2
+    assert samples[("shoal:attached_clients", (("model_name", "m"),))] == 3
+
+
+def test_finished_sequences_feed_counters_and_histograms() -> None:
+    metrics = _make()
+    timing = RequestMetrics(
+        arrival_time=100.0, first_token_time=100.5, last_token_time=101.5, finished_time=101.5,
+        queue_time=0.2,
+    )  # fmt: skip
+    for index in range(2):  # one request with n=2: its prompt is billed once
+        metrics.observe_sequence(
+            1, num_prompt_tokens=7, num_generation_tokens=5, finish_reason="length",
+            metrics=timing, count_prompt=index == 0,
+        )  # fmt: skip
+    metrics.observe_sequence(
+        0, num_prompt_tokens=3, num_generation_tokens=1, finish_reason="stop", metrics=timing
+    )
+    samples = _samples(metrics)
+    rank1 = (("engine", "1"), ("model_name", "m"))
+    assert samples[("vllm:prompt_tokens_total", rank1)] == 7
+    assert samples[("vllm:generation_tokens_total", rank1)] == 10
+    assert samples[("vllm:request_success_total", (*rank1[:1], ("finished_reason", "length"),
+                                                   rank1[1]))] == 2  # fmt: skip
+    assert samples[("shoal:requests_routed_total", rank1)] == 2
+    assert samples[("vllm:time_to_first_token_seconds_sum", rank1)] == 1.0
+    assert samples[("vllm:e2e_request_latency_seconds_count", rank1)] == 2
+    assert samples[("vllm:request_queue_time_seconds_sum", rank1)] == 0.4
+    # 4 gaps of 0.25 s per 5-token sequence; a 1-token sequence has none.
+    assert samples[("vllm:inter_token_latency_seconds_count", rank1)] == 8
+    assert samples[("vllm:inter_token_latency_seconds_sum", rank1)] == 2.0
+    rank0 = (("engine", "0"), ("model_name", "m"))
+    assert samples.get(("vllm:inter_token_latency_seconds_count", rank0), 0) == 0
+    assert samples[("vllm:request_generation_tokens_sum", rank0)] == 1
+
+
+def test_the_dashboard_asks_only_for_published_series() -> None:
+    metrics = _make()
+    metrics.observe_sequence(
+        0, num_prompt_tokens=1, num_generation_tokens=2, finish_reason="stop",
+        metrics=RequestMetrics(0.0, 0.1, 0.2, 0.2, 0.0),
+    )  # fmt: skip
+    published = {name for name, _ in _samples(metrics)}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    wanted = {m for e in exprs for m in re.findall(r"\b((?:vllm|shoal):[a-z0-9_]+)", e)}
+    assert wanted and wanted <= published, wanted - published
+    assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds_bucket"} <= wanted
