@@ -103,7 +103,18 @@ class ParallelConfig:
     data_parallel_size: int = field(default=1, metadata=_help("number of engine ranks"))
     data_parallel_rank: int = field(default=0, metadata=_help("this engine's rank"))
     enable_expert_parallel: bool = field(
-        default=False, metadata=_help("shard MoE experts across the ranks")
+        default=False,
+        metadata=_help(
+            "shard a mixture-of-experts model's experts across the data-parallel ranks, which "
+            "then step in lockstep (DP waves)"
+        ),
+    )
+    collective_timeout_s: float = field(
+        default=30.0,
+        metadata=_help(
+            "expert parallelism: a collective that waits longer for a peer ends the wave, and "
+            "the ranks restart"
+        ),
     )
     enable_elastic_ep: bool = field(
         default=False, metadata=_help("allow resizing the ranks while serving")
@@ -115,6 +126,8 @@ class ParallelConfig:
                 f"data_parallel_rank {self.data_parallel_rank} is outside "
                 f"[0, {self.data_parallel_size})"
             )
+        if not self.collective_timeout_s > 0:
+            raise ValueError("collective_timeout_s must be positive")
 
 
 _SECTIONS: dict[str, type] = {

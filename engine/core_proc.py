@@ -31,6 +31,8 @@ import zmq
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
+from shoal.engine.distributed import Rendezvous
+from shoal.engine.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
 from shoal.engine.engine_core import EngineCore
 from shoal.engine.parent_watch import exit_with_parent
 from shoal.engine.protocol import (
@@ -117,9 +119,12 @@ class EngineCoreProc:
         transport: "tcp" (port chosen by the OS) or "ipc" (a socket file in a temp dir).
         identity: the ROUTER routing id clients use to address this engine; default unique.
         stats_address: where to push `EngineStatsReport`s; None: no reports.
+        rendezvous: where the ranks of an expert-parallel cluster meet (required then); the
+            ranks step in DP waves (`shoal.engine.dp_wave`).
 
     Raises:
         ModelLoadError, ValueError: from `EngineCore`.
+        GroupJoinError: an expert-parallel peer did not join in time.
     """
 
     # The methods of EngineCore a client may call by name with a UTILITY message, each with its
@@ -139,9 +144,11 @@ class EngineCoreProc:
         transport: Transport = "tcp",
         identity: bytes | None = None,
         stats_address: str | None = None,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
+        self._wave = _make_wave(self.engine_core, config, rendezvous)
         self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
         self._input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -165,6 +172,7 @@ class EngineCoreProc:
         )
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None
+        self._last_wave_facts: tuple[int, bool, int] | None = None
         self._last_stats_time = 0.0  # when the last report was sent
         self._next_stats_check = 0.0  # no look at the stats before this (rate limit)
         self._is_stats_dirty = True
@@ -231,7 +239,9 @@ class EngineCoreProc:
         try:
             while not self._is_shutdown_requested:
                 self._process_input_queue()  # (1)
-                if self.engine_core.has_unfinished_requests():
+                if self._wave is not None:
+                    self._run_wave_turn(self._wave)  # (2), (3) in lockstep with the peers
+                elif self.engine_core.has_unfinished_requests():
                     if watchdog is not None:
                         watchdog.step_started()
                     outputs = self.engine_core.step()
@@ -247,9 +257,29 @@ class EngineCoreProc:
         finally:
             self._close()
 
+    def _run_wave_turn(self, wave: DPWave) -> None:
+        """One turn under DP waves: start or join a wave, then one forward (real or dummy)."""
+        core = self.engine_core
+        wave.maybe_start(core.has_unfinished_requests())
+        if not wave.is_running:
+            return
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.step_started()
+        num_forwards = wave.expert_parallel.num_forwards
+        outputs = core.step()
+        if wave.expert_parallel.num_forwards == num_forwards:
+            wave.run_dummy_forward()
+        wave.end_turn(core.has_unfinished_requests())
+        if watchdog is not None:
+            watchdog.step_finished()
+        self._queue_outputs(outputs)
+        self._is_stats_dirty = True
+
     def _process_input_queue(self) -> None:
         input_queue = self._input_queue
-        if not self.engine_core.has_unfinished_requests():
+        is_wave_running = self._wave is not None and self._wave.is_running
+        if not (self.engine_core.has_unfinished_requests() or is_wave_running):
             try:
                 self._handle_input(input_queue.get(timeout=self._idle_wait_s()))
             except queue.Empty:
@@ -258,6 +288,8 @@ class EngineCoreProc:
             self._handle_input(input_queue.get_nowait())
 
     def _idle_wait_s(self) -> float:
+        if self._wave is not None:  # a paused rank looks for a wake this often
+            return PAUSED_POLL_S
         if not self._is_stats_enabled:
             return _IDLE_WAIT_S
         if self._is_stats_dirty:
@@ -272,6 +304,8 @@ class EngineCoreProc:
             case AddRequest(request):
                 if request.request_id:  # an empty id is refused as it is
                     request.request_id = f"{request.client_index}/{request.request_id}"
+                if self._wave is not None:
+                    self._wave.note_request(request.current_wave)
                 self.engine_core.add_request(request)
             case AbortRequests(request_ids, client_index):
                 scoped = [f"{client_index}/{r}" for r in request_ids]
@@ -327,11 +361,15 @@ class EngineCoreProc:
         if not (self._is_stats_dirty or is_heartbeat_due):
             return
         stats = self.engine_core.make_stats()
+        wave = self._wave
+        wave_facts = (0, False, 0) if wave is None else wave.facts()
         self._is_stats_dirty = False
         self._next_stats_check = now + STATS_MIN_INTERVAL_S
-        if stats == self._last_stats and not is_heartbeat_due:
+        is_same = stats == self._last_stats and wave_facts == self._last_wave_facts
+        if is_same and not is_heartbeat_due:
             return
         self._last_stats, self._last_stats_time = stats, now
+        self._last_wave_facts = wave_facts
         report = EngineStatsReport(
             self.engine_index,
             stats,
@@ -340,6 +378,9 @@ class EngineCoreProc:
             identity=self._identity,
             attached_clients=sorted(self._attached_clients),
             attaches_seen=self._attaches_seen,
+            current_wave=wave_facts[0],
+            is_wave_running=wave_facts[1],
+            num_dummy_steps=wave_facts[2],
         )
         self._output_thread.submit(ReportStats(report))
 
@@ -387,6 +428,8 @@ class EngineCoreProc:
             self._is_closed = True
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._wave is not None:  # first: peers blocked in a collective with us fail now
+            self._wave.leave()
         self._input_thread.stop()
         self._input_thread.join(timeout=5)
         # Clients attached after the loop's last turn still get their PUSH and the notice.
@@ -406,6 +449,34 @@ class EngineCoreProc:
                 self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _make_wave(
+    core: EngineCore, config: EngineConfig, rendezvous: Rendezvous | None
+) -> DPWave | None:
+    """The rank's DP waves, its groups joined, when it serves an MoE model expert-parallel.
+
+    Raises:
+        ValueError: expert parallelism without a rendezvous.
+        GroupJoinError: a peer did not join in time.
+    """
+    expert_parallel = core.executor.expert_parallel
+    if expert_parallel is None:
+        return None
+    if rendezvous is None:
+        raise ValueError(
+            "expert parallelism needs the ranks' rendezvous: launch the cluster with "
+            "shoal.cluster.launch (shoal serve)"
+        )
+    wave = DPWave(
+        expert_parallel,
+        rendezvous,
+        device=core.executor.device,
+        timeout_s=config.parallel.collective_timeout_s,
+        join_timeout_s=JOIN_TIMEOUT_S,
+    )
+    wave.join()
+    return wave
 
 
 # --- the engine process ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.worker import Worker
@@ -23,6 +24,9 @@ from shoal.engine.worker import Worker
 
 class Executor(ABC):
     """The engine core's one handle on its workers."""
+
+    # This rank's expert-parallel context (MoE under --enable-expert-parallel), else None.
+    expert_parallel: ExpertParallel | None = None
 
     @property
     @abstractmethod
@@ -67,7 +71,10 @@ class UniProcExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> None:
-        self.worker = Worker(config, arch, max_model_len=max_model_len)
+        self.expert_parallel = make_expert_parallel(config, arch)
+        self.worker = Worker(
+            config, arch, max_model_len=max_model_len, expert_parallel=self.expert_parallel
+        )
 
     @property
     def device(self) -> torch.device:
@@ -92,3 +99,21 @@ class UniProcExecutor(Executor):
 def make_executor(config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> Executor:
     """The executor for `config`: today always one in-process worker."""
     return UniProcExecutor(config, arch, max_model_len=max_model_len)
+
+
+def make_expert_parallel(config: EngineConfig, arch: ModelArch) -> ExpertParallel | None:
+    """This rank's expert-parallel context when `config` asks for expert parallelism.
+
+    Raises:
+        ValueError: expert parallelism on a dense model, or over more ranks than experts.
+    """
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel:
+        return None
+    if not arch.is_moe:
+        raise ValueError(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {arch.architecture} "
+            "is dense"
+        )
+    placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
+    return ExpertParallel(placement, parallel.data_parallel_rank)

@@ -15,6 +15,7 @@ import torch
 
 from shoal.engine.attention import AttentionMetadata, build_attention_metadata, token_positions
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from shoal.engine.expert_parallel import ExpertParallel
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models import LlamaForCausalLM, get_model_class
 from shoal.engine.models.layers import can_pack_weights
@@ -69,6 +70,7 @@ class ModelRunner:
         arch: the checkpoint's architecture facts.
         max_model_len: longest sequence served (sizes the rotary table).
         device: "cpu", "cuda", "cuda:N" or "auto"; default: `model_config.device`.
+        expert_parallel: this rank's share of an MoE model's experts and their exchange.
     """
 
     def __init__(
@@ -80,8 +82,10 @@ class ModelRunner:
         *,
         max_model_len: int,
         device: torch.device | str | None = None,
+        expert_parallel: ExpertParallel | None = None,
     ):
         self.arch = arch
+        self.expert_parallel = expert_parallel
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.device = resolve_device(model_config.device if device is None else device)
@@ -111,8 +115,13 @@ class ModelRunner:
             ModelLoadError: unsupported architecture, unknown / missing tensor, shape mismatch.
         """
         model_cls = get_model_class(self.arch.architecture)
+        extra = {} if self.expert_parallel is None else {"expert_parallel": self.expert_parallel}
         model = model_cls(
-            self.arch, max_position=self.max_model_len, dtype=self.dtype, device=self.device
+            self.arch,
+            max_position=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            **extra,
         )
         model.load_weights(weights)
         if can_pack_weights(self.device, self.dtype):

@@ -34,7 +34,7 @@ class EngineCoreRequestType(enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    START_DP_WAVE = b"\x02"
+    # b"\x02" is not used: DP waves start through the ranks' own store (`engine/dp_wave.py`).
     UTILITY = b"\x03"
     HELLO = b"\x04"
     GOODBYE = b"\x05"
@@ -186,6 +186,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     client_index: int = 0
     data_parallel_rank: int | None = None  # explicit rank pin, honoured by the DP LB client
+    # The DP wave the client last saw published; an older one than the rank's marks a request
+    # that raced the end of a wave (counted; the request starts the next wave either way).
     current_wave: int = 0
 
 
@@ -258,6 +260,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+    # Never set: DP waves are reported to the coordinator (`EngineStatsReport`). Kept so the
+    # fields after them keep their positions on the wire.
     wave_complete: int | None = None
     start_wave: int | None = None
     # ADDs of this client the engine had taken in when `scheduler_stats` was measured: lets the
@@ -323,6 +327,11 @@ class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # gone (it was paused or cut off too long) and dropped its requests.
     attached_clients: list[int] = msgspec.field(default_factory=list)
     attaches_seen: int = 0
+    # DP waves of an expert-parallel rank (`shoal.engine.dp_wave`): the wave it is in or
+    # paused before, whether that wave runs, and the dummy forwards it has run so far.
+    current_wave: int = 0
+    is_wave_running: bool = False
+    num_dummy_steps: int = 0
 
 
 class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -333,4 +342,7 @@ class DPStatsSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
     seq: int
     reports: list[EngineStatsReport] = msgspec.field(default_factory=list)
+    # Expert-parallel clusters: the highest wave any rank reports, and whether any rank is
+    # stepping in a wave (False: the ranks are paused).
     current_wave: int = 0
+    engines_running: bool = False

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.expert_parallel import ExpertParallel
 from shoal.engine.loader import load_weights
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.model_runner import ModelRunner
@@ -26,15 +27,28 @@ class Worker:
         config: the engine's configuration (model path, device, dtype, cache, scheduler).
         arch: the checkpoint's architecture facts.
         max_model_len: the context length served.
+        expert_parallel: this rank's share of an MoE model's experts and their exchange.
 
     Raises:
         ValueError: a non-positive `cpu_threads`, or what `ModelRunner` refuses.
     """
 
-    def __init__(self, config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        *,
+        max_model_len: int,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         self.config = config
         self.model_runner = ModelRunner(
-            config.model, config.cache, config.scheduler, arch, max_model_len=max_model_len
+            config.model,
+            config.cache,
+            config.scheduler,
+            arch,
+            max_model_len=max_model_len,
+            expert_parallel=expert_parallel,
         )
         cpu_threads = config.model.cpu_threads
         if cpu_threads is not None and cpu_threads < 1:

@@ -1,18 +1,22 @@
 """Mixtral: the Llama decoder with a top-k routed mixture of SiLU-gated experts as its MLP.
 
 Each expert runs only over the tokens routed to it (index_select / index_add). `MixtralExperts`
-holds a contiguous range of experts so the experts can be sharded over expert-parallel ranks;
-combining the ranks' partial sums is the caller's business and not done here.
+holds any subset of the experts (a rank's share under expert parallelism); with an
+`ExpertParallel` context, `MixtralMoE` runs its router and local experts over every rank's
+tokens through the exchange (`shoal.engine.expert_parallel`), which sums the ranks' shares.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.engine.attention import AttentionMetadata
+from shoal.engine.expert_parallel import ExpertParallel
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models.layers import (
     FeedForward,
@@ -28,14 +32,13 @@ from shoal.engine.models.llama import LlamaForCausalLM
 
 
 class MixtralExperts(nn.Module):
-    """Experts [expert_start, expert_end) of `num_experts`, gate and up fused per expert.
+    """The experts `expert_ids` of `num_experts`, gate and up fused per expert.
 
     Args:
         num_experts: experts in the whole layer.
         hidden_size: model width.
         intermediate_size: each expert's width.
-        expert_start: first expert held here.
-        expert_end: one past the last expert held here (default: all).
+        expert_ids: the experts held here (default: all).
     """
 
     def __init__(
@@ -44,18 +47,18 @@ class MixtralExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         *,
-        expert_start: int = 0,
-        expert_end: int | None = None,
+        expert_ids: Sequence[int] | None = None,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.num_experts = num_experts
-        self.expert_start = expert_start
-        self.expert_end = num_experts if expert_end is None else expert_end
-        assert 0 <= self.expert_start < self.expert_end <= num_experts, "bad expert range"
+        self.expert_ids = list(range(num_experts)) if expert_ids is None else sorted(expert_ids)
+        assert self.expert_ids, "an experts module holds at least one expert"
+        assert all(0 <= e < num_experts for e in self.expert_ids), "expert id out of range"
+        assert len(set(self.expert_ids)) == len(self.expert_ids), "duplicate expert ids"
         self.intermediate_size = intermediate_size
-        num_local = self.expert_end - self.expert_start
+        num_local = len(self.expert_ids)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.w13 = empty_param(num_local, 2 * intermediate_size, hidden_size, **kw)
         self.w2 = empty_param(num_local, hidden_size, intermediate_size, **kw)
@@ -75,15 +78,16 @@ class MixtralExperts(nn.Module):
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        starts = [0] * self.num_experts
+        for expert in range(1, self.num_experts):
+            starts[expert] = starts[expert - 1] + counts[expert - 1]
         flat_weights = topk_weights.reshape(-1)
         out = torch.zeros_like(x)
-        offset = sum(counts[: self.expert_start])
-        for local, expert in enumerate(range(self.expert_start, self.expert_end)):
+        for local, expert in enumerate(self.expert_ids):
             count = counts[expert]
             if count == 0:
                 continue
-            picks = order[offset : offset + count]
-            offset += count
+            picks = order[starts[expert] : starts[expert] + count]
             tokens = picks // top_k
             h = self._gate_up(x.index_select(0, tokens), local)
             h = self._down(silu_and_mul(h, self.intermediate_size), local)
@@ -116,26 +120,26 @@ class MixtralExperts(nn.Module):
         checkpoints) or fused `{prefix}.mlp.experts.gate_up_proj|down_proj` (transformers 5
         state_dict). Experts outside the local range are accepted and dropped."""
         size, hidden = self.intermediate_size, self.w13.shape[2]
+        local_of = {e: i for i, e in enumerate(self.expert_ids)}
         wm = WeightMap()
         w13_names, w2_names = [], []
         for e in range(self.num_experts):
-            local = e - self.expert_start
-            is_local = self.expert_start <= e < self.expert_end
+            local = local_of.get(e)
             base = f"{prefix}.block_sparse_moe.experts.{e}"
-            w1 = self.w13[local, :size] if is_local else None
-            w3 = self.w13[local, size:] if is_local else None
-            w2 = self.w2[local] if is_local else None
+            w1 = self.w13[local, :size] if local is not None else None
+            w3 = self.w13[local, size:] if local is not None else None
+            w2 = self.w2[local] if local is not None else None
             wm.add(f"{base}.w1.weight", w1, shape=(size, hidden))
             wm.add(f"{base}.w3.weight", w3, shape=(size, hidden))
             wm.add(f"{base}.w2.weight", w2, shape=(hidden, size))
             w13_names += [f"{base}.w1.weight", f"{base}.w3.weight"]
             w2_names.append(f"{base}.w2.weight")
-        local_range = slice(self.expert_start, self.expert_end)
+        held = torch.tensor(self.expert_ids)
         wm.add(
             f"{prefix}.mlp.experts.gate_up_proj",
             self.w13,
             shape=(self.num_experts, 2 * size, hidden),
-            select=lambda t: t[local_range],
+            select=lambda t: t.index_select(0, held.to(t.device)),
             covers=tuple(w13_names),
             required=False,
         )
@@ -143,7 +147,7 @@ class MixtralExperts(nn.Module):
             f"{prefix}.mlp.experts.down_proj",
             self.w2,
             shape=(self.num_experts, hidden, size),
-            select=lambda t: t[local_range],
+            select=lambda t: t.index_select(0, held.to(t.device)),
             covers=tuple(w2_names),
             required=False,
         )
@@ -151,31 +155,40 @@ class MixtralExperts(nn.Module):
 
 
 class MixtralMoE(FeedForward):
-    """Router (softmax, top-k, renormalise: HF Mixtral's order, in float32) plus the experts."""
+    """Router (softmax, top-k, renormalise: HF Mixtral's order, in float32) plus the experts;
+    across the ranks' tokens when an `ExpertParallel` context is given."""
 
     def __init__(
         self,
         arch: ModelArch,
         *,
-        expert_range: tuple[int, int] | None = None,
+        expert_parallel: ExpertParallel | None = None,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.top_k = arch.num_experts_per_tok
-        start, end = expert_range or (0, arch.num_local_experts)
+        self.expert_parallel = expert_parallel
+        expert_ids = expert_parallel.local_expert_ids if expert_parallel is not None else None
         self.router = Linear(arch.hidden_size, arch.num_local_experts, dtype=dtype, device=device)
         self.experts = MixtralExperts(
             arch.num_local_experts,
             arch.hidden_size,
             arch.intermediate_size,
-            expert_start=start,
-            expert_end=end,
+            expert_ids=expert_ids,
             dtype=dtype,
             device=device,
         )
+        if expert_parallel is not None:
+            expert_parallel.register_layer(self, arch.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel is None:
+            return self.route_and_compute(x)
+        return self.expert_parallel.exchange(x, self.route_and_compute)
+
+    def route_and_compute(self, x: torch.Tensor) -> torch.Tensor:
+        """This module's experts' share of the MoE output for tokens `x`."""
         probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
@@ -195,7 +208,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     Args:
         arch: the checkpoint's architecture facts (num_local_experts > 0).
-        expert_range: [start, end) of the experts this rank holds; default all.
+        expert_parallel: this rank's expert-parallel context (its experts, the exchange);
+            default: every expert here, no exchange.
         **kwargs: as for `LlamaForCausalLM`.
     """
 
@@ -203,16 +217,25 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self,
         arch: ModelArch,
         *,
-        expert_range: tuple[int, int] | None = None,
+        expert_parallel: ExpertParallel | None = None,
         max_position: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
         assert arch.is_moe, "MixtralForCausalLM needs num_local_experts > 0"
-        self.expert_range = expert_range
+        self.expert_parallel = expert_parallel
+        if expert_parallel is not None:
+            expert_parallel.dtype, expert_parallel.device = dtype, torch.device(device)
         super().__init__(arch, max_position=max_position, dtype=dtype, device=device)
 
     def _make_mlp(
         self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     ) -> FeedForward:
-        return MixtralMoE(arch, expert_range=self.expert_range, dtype=dtype, device=device)
+        return MixtralMoE(arch, expert_parallel=self.expert_parallel, dtype=dtype, device=device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.expert_parallel is not None:
+            self.expert_parallel.begin_forward(input_ids.shape[0])
+        return super().forward(input_ids, positions, meta)

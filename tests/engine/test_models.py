@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from shoal.engine.errors import ModelLoadError
+from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
 from shoal.engine.models import LlamaForCausalLM, MixtralForCausalLM, get_model_class
 from shoal.engine.models.layers import rope_inv_freq
 from shoal.engine.models.mixtral import MixtralMoE
@@ -95,19 +96,24 @@ def test_mixtral_loads_saved_per_expert_names(tmp_path) -> None:
     assert_runner_matches_hf(hf_model, runner, random_prompts([9, 14], seed=4))
 
 
-def test_mixtral_expert_ranges_sum_to_the_full_layer() -> None:
+def test_mixtral_expert_shares_sum_to_the_full_layer() -> None:
     hf_model = make_hf_model("MixtralForCausalLM")
     arch = arch_from_hf(hf_model)
     weights = hf_model.state_dict()
     full = MixtralForCausalLM(arch)
-    halves = [MixtralForCausalLM(arch, expert_range=r) for r in [(0, 1), (1, 4)]]
-    for model in [full, *halves]:
+    placement = ExpertPlacement((1, 0, 1, 1), 2)  # any table, not only contiguous blocks
+    shares = [
+        MixtralForCausalLM(arch, expert_parallel=ExpertParallel(placement, rank))
+        for rank in range(2)
+    ]
+    for model in [full, *shares]:
         model.load_weights(weights.items())
-    moes = [m.get_submodule("layers.0.mlp") for m in [full, *halves]]
+    moes = [m.get_submodule("layers.0.mlp") for m in [full, *shares]]
     assert all(isinstance(m, MixtralMoE) for m in moes)
     x = torch.randn(11, arch.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(moes[1](x) + moes[2](x), moes[0](x))
+        parts = [m.route_and_compute(x) for m in moes[1:]]
+        torch.testing.assert_close(parts[0] + parts[1], moes[0](x))
         reference = hf_model.model.layers[0].mlp(x[None])[0]
     torch.testing.assert_close(moes[0](x), reference, atol=1e-5, rtol=1e-5)
 

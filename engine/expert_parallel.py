@@ -1,0 +1,168 @@
+"""Expert parallelism: which rank holds which expert (`ExpertPlacement`, plain data) and the MoE
+exchange across the ranks (`ExpertParallel`).
+
+Placement. A table expert → rank. The default (`ExpertPlacement.contiguous`) gives each rank a
+contiguous block of experts; when N ranks do not divide E experts, the first `E % N` ranks hold
+one expert more (E=8 over N=3: ranks hold 3, 3, 2). Any table with every rank holding at least
+one expert is valid, so a resize can hand out a new one.
+
+Exchange: all-gather + reduce-scatter. In each MoE layer every rank gathers the hidden states of
+every rank's tokens (padded to the largest batch), routes them (the router is replicated, so all
+ranks agree on the routing without exchanging it), runs its own experts over the tokens routed
+to them, and a reduce-scatter sums the partial outputs and hands each rank back its own rows.
+Chosen over all-to-all dispatch/combine because serving batches are small and the exchange is
+latency-bound: two collectives per layer with fixed shapes, where all-to-all needs a third (the
+split sizes) and a permutation on both sides; all-to-all moves less data (top-k of N copies per
+token instead of N) and wins once batches are large, which `bench/expert_parallel.py` shows.
+
+Per forward, `begin_forward` all-gathers every rank's token count once (CPU group) so every
+layer knows the shapes; a forward in which no rank has a token skips the layers' collectives.
+A rank with nothing to run still joins each layer's exchange with an empty batch
+(`run_dummy_forward`): its experts serve the other ranks' tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine.distributed import ProcessGroups
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Expert → rank table of one MoE model over `num_ranks` ranks (the same for every layer)."""
+
+    expert_to_rank: tuple[int, ...]
+    num_ranks: int
+
+    def __post_init__(self) -> None:
+        held = set(self.expert_to_rank)
+        if any(not 0 <= r < self.num_ranks for r in held) or len(held) != self.num_ranks:
+            raise ValueError(
+                f"every one of {self.num_ranks} ranks must hold an expert: {self.expert_to_rank}"
+            )
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertPlacement:
+        """Contiguous blocks; the first `num_experts % num_ranks` ranks hold one more.
+
+        Raises:
+            ValueError: more ranks than experts (some rank would hold none).
+        """
+        if not 0 < num_ranks <= num_experts:
+            raise ValueError(
+                f"expert parallelism over {num_ranks} ranks needs 1..{num_experts} ranks "
+                f"(the model has {num_experts} experts)"
+            )
+        base, extra = divmod(num_experts, num_ranks)
+        table: list[int] = []
+        for rank in range(num_ranks):
+            table += [rank] * (base + (1 if rank < extra else 0))
+        return cls(tuple(table), num_ranks)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_to_rank)
+
+    def experts_of(self, rank: int) -> list[int]:
+        """The experts `rank` holds, ascending."""
+        return [e for e, r in enumerate(self.expert_to_rank) if r == rank]
+
+    def as_dict(self) -> dict[int, list[int]]:
+        """rank → its experts (for status displays)."""
+        return {rank: self.experts_of(rank) for rank in range(self.num_ranks)}
+
+
+LocalCompute = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertParallel:
+    """One rank's side of the MoE exchange: its placement, its groups, this forward's shapes.
+
+    Built before the model (the placement decides which experts it loads); the groups are bound
+    later (`bind`), and may be unbound and bound again (a peer restarted) in the same process.
+
+    Args:
+        placement: the expert → rank table.
+        rank: this rank.
+    """
+
+    def __init__(self, placement: ExpertPlacement, rank: int) -> None:
+        self.placement = placement
+        self.rank = rank
+        self.groups: ProcessGroups | None = None
+        # The model's MoE layers in forward order, for forwards with no local tokens.
+        self.moe_layers: list[torch.nn.Module] = []
+        self.hidden_size = 0
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.num_forwards = 0  # forwards joined (real or dummy), for the wave loop
+        self._counts: list[int] = []
+        self._valid_rows: torch.Tensor | None = None
+
+    @property
+    def local_expert_ids(self) -> list[int]:
+        return self.placement.experts_of(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.num_ranks
+
+    def bind(self, groups: ProcessGroups) -> None:
+        assert groups.world_size == self.world_size, "groups and placement disagree on N"
+        self.groups = groups
+
+    def unbind(self) -> None:
+        self.groups = None
+
+    def register_layer(self, layer: torch.nn.Module, hidden_size: int) -> None:
+        """Called by each MoE layer at construction, in forward order."""
+        self.moe_layers.append(layer)
+        self.hidden_size = hidden_size
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Learns every rank's token count for this forward (one small CPU collective)."""
+        assert self.groups is not None, "expert-parallel groups are not bound"
+        self.num_forwards += 1
+        counts = self.groups.all_gather_ints(num_tokens)
+        self._counts = counts
+        padded = max(counts)
+        rows = [torch.arange(r * padded, r * padded + c) for r, c in enumerate(counts) if c]
+        self._valid_rows = torch.cat(rows).to(self.device) if rows else None
+
+    def run_dummy_forward(self) -> None:
+        """Joins one forward with no tokens of its own: every layer's exchange, if any rank
+        has tokens."""
+        self.begin_forward(0)
+        if self._valid_rows is None:
+            return
+        empty = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            for layer in self.moe_layers:
+                layer(empty)
+
+    def exchange(self, x: torch.Tensor, compute: LocalCompute) -> torch.Tensor:
+        """One MoE layer across the ranks: `compute` (route + local experts) over every rank's
+        tokens; returns the summed expert output for this rank's tokens [T, hidden]."""
+        groups = self.groups
+        assert groups is not None, "expert-parallel groups are not bound"
+        valid = self._valid_rows
+        if valid is None:  # no rank has a token this forward
+            return torch.zeros_like(x)
+        num_tokens, padded = x.shape[0], max(self._counts)
+        assert num_tokens == self._counts[self.rank], "begin_forward saw another batch size"
+        send = x.new_zeros(padded, x.shape[1])
+        send[:num_tokens] = x
+        gathered = x.new_empty(padded * self.world_size, x.shape[1])
+        groups.device._allgather_base(gathered, send).wait()
+        partial = compute(gathered.index_select(0, valid))
+        full = x.new_zeros(padded * self.world_size, x.shape[1])
+        full.index_copy_(0, valid, partial)
+        out = x.new_empty(padded, x.shape[1])
+        groups.device._reduce_scatter_base(
+            out, full, torch.distributed.ReduceScatterOptions()
+        ).wait()
+        return out[:num_tokens]
