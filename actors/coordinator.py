@@ -85,11 +85,18 @@ class CoordinatorActor:
         """The latest stats of every rank, as plain dicts (for `shoal status`).
 
         Returns:
-            rank -> the `SchedulerStats` fields plus `timestamp`, the engine's report time.
+            rank -> the `SchedulerStats` fields plus `timestamp`, the engine's report time,
+            and its DP wave (`current_wave`, `is_wave_running`, `num_dummy_steps`).
         """
         with self._lock:
             return {
-                rank: {**msgspec.structs.asdict(report.stats), "timestamp": report.timestamp}
+                rank: {
+                    **msgspec.structs.asdict(report.stats),
+                    "timestamp": report.timestamp,
+                    "current_wave": report.current_wave,
+                    "is_wave_running": report.is_wave_running,
+                    "num_dummy_steps": report.num_dummy_steps,
+                }
                 for rank, report in self._latest.items()
             }
 
@@ -145,7 +152,15 @@ class CoordinatorActor:
         with self._lock:
             reports = [self._latest[rank] for rank in sorted(self._latest)]
         self._num_published += 1
-        self._xpub.send(encoder.encode(DPStatsSnapshot(seq=self._num_published, reports=reports)))
+        # DP waves (expert-parallel clusters): the wave is the highest any rank reports; the
+        # ranks run while any of them steps in it.
+        snapshot = DPStatsSnapshot(
+            seq=self._num_published,
+            reports=reports,
+            current_wave=max((r.current_wave for r in reports), default=0),
+            engines_running=any(r.is_wave_running for r in reports),
+        )
+        self._xpub.send(encoder.encode(snapshot))
 
     def _drain_reports(self, decoder: msgspec.msgpack.Decoder[EngineStatsReport]) -> bool:
         is_changed = False
@@ -161,7 +176,7 @@ class CoordinatorActor:
                 continue
             with self._lock:
                 previous = self._latest.get(report.engine_index)
-                is_changed |= previous is None or previous.stats != report.stats
+                is_changed |= previous is None or _load_of(previous) != _load_of(report)
                 self._latest[report.engine_index] = report
         return is_changed
 
@@ -191,3 +206,8 @@ def _queued_messages(socket: zmq.Socket) -> Iterator[list[bytes]]:
             yield socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
+
+
+def _load_of(report: EngineStatsReport) -> tuple[object, ...]:
+    """What a change of is published quickly: the load, and the DP wave."""
+    return report.stats, report.current_wave, report.is_wave_running

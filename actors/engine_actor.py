@@ -21,7 +21,10 @@ from shoal.actors.membership import Membership
 from shoal.actors.registry import REGISTRY_NAME
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.distributed import Rendezvous
 from shoal.engine.errors import ModelLoadError
+from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
+from shoal.engine.loader import load_model_arch
 from shoal.engine.protocol import EngineEndpoint
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -76,6 +79,7 @@ class EngineCoreActor:
             host=node_ip,
             identity=identity,
             stats_address=membership.stats_report_address,
+            rendezvous=_ep_rendezvous(registry, config, node_ip, namespace),
         )
         self.endpoint: EngineEndpoint = self.proc.endpoint
         self._busy_loop = threading.Thread(
@@ -150,3 +154,22 @@ class EngineCoreActor:
         """Stops the busy loop and closes the sockets; the actor can then be killed."""
         self.proc.shutdown()
         self._busy_loop.join(timeout=10)
+
+
+def _ep_rendezvous(
+    registry: Any, config: EngineConfig, node_ip: str, namespace: str
+) -> Rendezvous | None:
+    """Where this rank forms its expert-parallel groups (from the registry), if it is EP.
+
+    Raises:
+        ValueError: the model cannot be served expert-parallel over this many ranks.
+    """
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel or parallel.data_parallel_size == 1:
+        return None
+    arch = load_model_arch(config.model.model)
+    check_expert_parallel(arch, parallel.data_parallel_size)
+    placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
+    table = list(placement.expert_to_rank)
+    host, port = ray.get(registry.ep_rendezvous.remote(node_ip, table))
+    return Rendezvous(host, port, group_name=namespace, bind_host=node_ip)

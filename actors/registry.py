@@ -34,6 +34,7 @@ from shoal.actors.engine_liveness import (
     watch_engine,
 )
 from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.actors.rendezvous import RendezvousServer
 from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import EngineEndpoint
 
@@ -59,6 +60,7 @@ class _State:
     stopping: bool = False
     scale_lock_owner: str | None = None
     served_by: str | None = None
+    ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
 
 
 class RegistryActor:
@@ -90,6 +92,7 @@ class RegistryActor:
         self._watchers: dict[int, asyncio.Task[None]] = {}
         self._probes: dict[bytes, asyncio.Task[bool]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._rendezvous: RendezvousServer | None = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore()
         self._save()
@@ -324,6 +327,7 @@ class RegistryActor:
             "stopping": s.stopping,
             "scale_lock_owner": s.scale_lock_owner,
             "stats_publish_address": s.stats_publish_address,
+            "expert_parallel": _expert_parallel_status(s.ep_placement),
             "ranks": [
                 {
                     "rank": r.rank,
@@ -345,6 +349,28 @@ class RegistryActor:
                 for c in await self.clients()
             ],
         }
+
+    async def ep_rendezvous(self, host: str, placement: list[int]) -> tuple[str, int]:
+        """Where expert-parallel ranks form their groups: a TCPStore this actor serves.
+
+        Asked by every rank as it starts (again after a restart); the ranks keep their group
+        generations in the store (`shoal.engine.distributed`).
+
+        Args:
+            host: the asking rank's bind address: a loopback one keeps the store on loopback,
+                any other puts it on this node's address.
+            placement: the rank's expert -> rank table, recorded for `status`.
+
+        Returns:
+            The store's (host, port).
+        """
+        if self._rendezvous is None:
+            bind = host if host.startswith("127.") else ray.util.get_node_ip_address()
+            self._rendezvous = RendezvousServer(bind)
+        if self._state.ep_placement != placement:
+            self._state.ep_placement = list(placement)
+            self._save()
+        return self._rendezvous.address()
 
     async def ping(self) -> bool:
         return True
@@ -477,3 +503,12 @@ class RegistryActor:
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)
         return info is not None and info.endpoint is not None and info.endpoint.identity == identity
+
+
+def _expert_parallel_status(placement: list[int] | None) -> dict[str, Any] | None:
+    """EP size and each rank's experts, from the expert -> rank table (None: no EP)."""
+    if placement is None:
+        return None
+    size = max(placement) + 1
+    experts = [[e for e, r in enumerate(placement) if r == rank] for rank in range(size)]
+    return {"size": size, "num_experts": len(placement), "experts_per_rank": experts}

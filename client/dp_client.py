@@ -259,6 +259,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             if not await self._wait_for_a_rank():
                 raise
             rank = self.get_core_engine_for_request(request)
+        # The DP wave last published: lets an expert-parallel rank tell a request that raced
+        # the end of a wave.
+        request.current_wave = self.current_wave
         self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids))
         try:
             await super().add_request_async(request, self.engines[rank].identity)

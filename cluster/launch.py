@@ -45,6 +45,9 @@ from shoal.cluster.placement import (
     remove_cluster_placement_groups,
 )
 from shoal.engine.config import EngineConfig
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.expert_parallel import check_expert_parallel
+from shoal.engine.loader import load_model_arch
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,12 @@ class ClusterHandle:
         loads = ray.get(self.coordinator.latest_stats.remote())
         for rank in status["ranks"]:
             rank["load"] = loads.get(rank["rank"])
+        expert_parallel = status.get("expert_parallel")
+        if expert_parallel is not None:  # the DP wave, as the ranks last reported it
+            expert_parallel["current_wave"] = max(
+                (load["current_wave"] for load in loads.values()), default=0
+            )
+            expert_parallel["running"] = any(load["is_wave_running"] for load in loads.values())
         return status
 
     def wait_until_stop_requested(
@@ -209,10 +218,13 @@ def launch(
         A handle on the running cluster; every rank is READY in the registry.
 
     Raises:
+        ValueError: `--enable-expert-parallel` on a dense model or over more ranks than it
+            has experts (checked before anything starts).
         ClusterExistsError: if the namespace already has a cluster.
         EngineStartError: if an engine fails to start (nothing is left behind).
         ray.exceptions.GetTimeoutError: if placement or start-up exceed `ready_timeout_s`.
     """
+    check_launchable(config)
     _require_ray(namespace)
     if _get_actor(REGISTRY_NAME, namespace) is not None:
         raise ClusterExistsError(f"a shoal cluster already runs in namespace {namespace!r}")
@@ -253,6 +265,22 @@ def launch(
         handle.shutdown()
         raise
     return handle
+
+
+def check_launchable(config: EngineConfig) -> None:
+    """Refuses, before anything starts, a configuration no rank could serve.
+
+    Raises:
+        ValueError: expert parallelism on a dense model, or over more ranks than experts.
+    """
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel:
+        return
+    try:
+        arch = load_model_arch(config.model.model)
+    except ModelLoadError:
+        return  # not readable here (another node's path): the ranks check it as they start
+    check_expert_parallel(arch, parallel.data_parallel_size)
 
 
 def add_ranks(

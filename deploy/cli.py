@@ -120,6 +120,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"{kv:>8}{load.get('step_counter', '-'):>8}  {rank['address'] or '-'}"
         )
     lines.append("")
+    lines += _expert_parallel_lines(status.get("expert_parallel"))
     clients = status["clients"]
     lines.append(f"clients: {len(clients)}")
     now = time.time()
@@ -129,6 +130,21 @@ def format_status(status: dict[str, Any]) -> str:
             f"  (attached {now - client['attached_at']:.0f} s ago)"
         )
     return "\n".join(lines)
+
+
+def _expert_parallel_lines(expert_parallel: dict[str, Any] | None) -> list[str]:
+    """EP size, each rank's experts, and the DP wave (nothing for a dense cluster)."""
+    if expert_parallel is None:
+        return []
+    state = "running" if expert_parallel.get("running") else "paused"
+    lines = [
+        f"expert parallel: {expert_parallel['size']} ranks, "
+        f"{expert_parallel['num_experts']} experts; wave {expert_parallel.get('current_wave', 0)} "
+        f"{state}"
+    ]
+    for rank, experts in enumerate(expert_parallel["experts_per_rank"]):
+        lines.append(f"  rank {rank}: experts {', '.join(map(str, experts))}")
+    return [*lines, ""]
 
 
 def stop_cluster(handle: ClusterHandle, *, timeout_s: float) -> int:

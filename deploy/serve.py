@@ -26,6 +26,7 @@ from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterExistsError,
     EngineStartError,
+    check_launchable,
     launch,
 )
 from shoal.cluster.placement import RankResources
@@ -140,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.port is not None and args.detached:
         logger.error("--port serves from this process, which --detached leaves at once")
+        return 2
+    try:
+        check_launchable(config)
+    except ValueError as e:
+        logger.error("%s", e)
         return 2
     stop = _StopSignals()
     try:

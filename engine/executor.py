@@ -16,7 +16,11 @@ from typing import Any
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
+from shoal.engine.expert_parallel import (
+    ExpertParallel,
+    ExpertPlacement,
+    check_expert_parallel,
+)
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.worker import Worker
@@ -110,10 +114,8 @@ def make_expert_parallel(config: EngineConfig, arch: ModelArch) -> ExpertParalle
     parallel = config.parallel
     if not parallel.enable_expert_parallel:
         return None
-    if not arch.is_moe:
-        raise ValueError(
-            f"--enable-expert-parallel needs a mixture-of-experts model; {arch.architecture} "
-            "is dense"
-        )
+    check_expert_parallel(arch, parallel.data_parallel_size)
+    if parallel.data_parallel_size == 1:
+        return None  # one rank holds every expert: nothing to exchange
     placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
     return ExpertParallel(placement, parallel.data_parallel_rank)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine.distributed import ProcessGroups
+from shoal.engine.model_arch import ModelArch
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,24 @@ class ExpertPlacement:
     def as_dict(self) -> dict[int, list[int]]:
         """rank → its experts (for status displays)."""
         return {rank: self.experts_of(rank) for rank in range(self.num_ranks)}
+
+
+def check_expert_parallel(arch: ModelArch, num_ranks: int) -> None:
+    """Whether a model can be served expert-parallel over `num_ranks` ranks.
+
+    Raises:
+        ValueError: a dense model, or more ranks than experts.
+    """
+    if not arch.is_moe:
+        raise ValueError(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {arch.architecture} "
+            "is dense"
+        )
+    if num_ranks > arch.num_local_experts:
+        raise ValueError(
+            f"--enable-expert-parallel over {num_ranks} ranks needs at least as many experts; "
+            f"the model has {arch.num_local_experts}"
+        )
 
 
 LocalCompute = Callable[[torch.Tensor], torch.Tensor]
