@@ -33,6 +33,16 @@ import zmq
 
 from shoal.actors.membership import Membership
 from shoal.actors.registry import REGISTRY_NAME
+from shoal.engine.curve import (
+    STATS_IN_DOMAIN,
+    STATS_OUT_DOMAIN,
+    CurveKeyPair,
+    KeyRing,
+    ZapHandler,
+    client_key_name,
+    curve_server,
+    engine_key_name,
+)
 from shoal.engine.protocol import DPStatsSnapshot, EngineStatsReport
 
 logger = logging.getLogger(__name__)
@@ -48,9 +58,15 @@ class CoordinatorActor:
     Args:
         host: address to bind; empty: this node's IP.
         namespace: the cluster's namespace, where a restarted coordinator finds the registry.
+        keys: the coordinator's CURVE key pair, made at launch (a restart gets it again):
+            both sockets are CURVE servers; the PULL takes reports only from engines whose
+            keys the registry admitted (`admit_engine`), the XPUB serves only attached
+            clients (`admit_client`). None: open sockets.
     """
 
-    def __init__(self, host: str = "", namespace: str | None = None) -> None:
+    def __init__(
+        self, host: str = "", namespace: str | None = None, keys: CurveKeyPair | None = None
+    ) -> None:
         host = host or ray.util.get_node_ip_address()
         registry = None
         previous: tuple[str | None, str | None] = (None, None)
@@ -59,11 +75,24 @@ class CoordinatorActor:
             membership = cast(Membership, ray.get(registry.membership.remote()))
             previous = (membership.stats_report_address, membership.stats_publish_address)
         self._context = zmq.Context()
+        self._engine_keys = KeyRing()
+        self._client_keys = KeyRing()
+        self._zap: ZapHandler | None = None
+        if keys is not None:
+            rings = {STATS_IN_DOMAIN: self._engine_keys, STATS_OUT_DOMAIN: self._client_keys}
+            self._zap = ZapHandler(self._context, rings, "coordinator")
+            self._zap.start()
+        if registry is not None:  # the keys the previous incarnation was given
+            self._admit_members(membership)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            curve_server(self._pull, keys, STATS_IN_DOMAIN)
         self.report_address = bind_previous_or_new(self._pull, host, previous[0])
         self._xpub = self._context.socket(zmq.XPUB)
         self._xpub.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            curve_server(self._xpub, keys, STATS_OUT_DOMAIN)
         self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscribe, not only the first
         self.publish_address = bind_previous_or_new(self._xpub, host, previous[1])
         if registry is not None:
@@ -104,6 +133,25 @@ class CoordinatorActor:
         """How many snapshots have been published so far."""
         return self._num_published
 
+    def admit_engine(self, rank: int, public_key: bytes) -> None:
+        """Takes stats reports from the engine holding `public_key` (as `rank`, in place of
+        the key the rank had)."""
+        self._engine_keys.admit(engine_key_name(rank), public_key)
+
+    def admit_client(self, client_index: int, public_key: bytes) -> None:
+        """Lets the client holding `public_key` subscribe to the snapshots."""
+        self._client_keys.admit(client_key_name(client_index), public_key)
+
+    def revoke_client(self, client_index: int) -> None:
+        self._client_keys.revoke(client_key_name(client_index))
+
+    def _admit_members(self, membership: Membership) -> None:
+        for info in membership.ranks.values():
+            if info.endpoint is not None and info.endpoint.public_key:
+                self.admit_engine(info.rank, info.endpoint.public_key)
+        for client_index, public_key in membership.client_keys.items():
+            self.admit_client(client_index, public_key)
+
     def forget_rank(self, rank: int) -> None:
         """Drops a removed rank's stats so snapshots stop carrying them."""
         with self._lock:
@@ -124,6 +172,9 @@ class CoordinatorActor:
         finally:
             self._pull.close()
             self._xpub.close()
+            if self._zap is not None:
+                self._zap.stop()
+                self._zap.join(timeout=2)
             self._context.term()
 
     def _loop(self) -> None:

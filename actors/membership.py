@@ -7,7 +7,7 @@ knowing anything of the actor that keeps it (`actors/registry.py`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import EngineEndpoint
@@ -64,6 +64,10 @@ class Membership:
     stats_publish_address: str | None = None  # coordinator XPUB that clients subscribe to
     stats_report_address: str | None = None  # coordinator PULL that engines push to
     stopping: bool = False
+    # CURVE public keys (Z85), handed out here and never on the data plane: the coordinator's
+    # (server of its PULL and XPUB), and every attached client's, by client index.
+    coordinator_public_key: bytes | None = None
+    client_keys: dict[int, bytes] = field(default_factory=dict)
 
     def routable_endpoints(self) -> list[EngineEndpoint]:
         """Endpoints of the READY ranks, by rank."""

@@ -46,6 +46,8 @@ STATE_KEY = "shoal-registry-state"
 
 # A client that has not long-polled or heartbeated for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
+# How long an attach waits for the serving engines and the coordinator to admit its key.
+KEY_PROPAGATION_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -60,6 +62,10 @@ class _State:
     stopping: bool = False
     scale_lock_owner: str | None = None
     served_by: str | None = None
+    # CURVE public keys: the coordinator's, and each attached client's by index (kept when a
+    # silent client is pruned, since its index is never given to anyone else).
+    coordinator_public_key: bytes | None = None
+    client_keys: dict[int, bytes] = field(default_factory=dict)
     ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
 
 
@@ -131,6 +137,10 @@ class RegistryActor:
         )
         self._bump()
         self._watch(rank, info.actor_name, endpoint.identity)
+        if endpoint.public_key:  # its stats reports are taken from now on
+            await self._tell_data_plane(
+                [], lambda actor: actor.admit_engine.remote(rank, endpoint.public_key)
+            )
         return incarnation
 
     async def report_engine_lost(self, rank: int, identity: bytes) -> bool:
@@ -177,7 +187,9 @@ class RegistryActor:
             watcher.cancel()
         return self._bump()
 
-    async def set_coordinator(self, report_address: str, publish_address: str) -> int:
+    async def set_coordinator(
+        self, report_address: str, publish_address: str, public_key: bytes | None = None
+    ) -> int:
         """Records the coordinator's addresses. Returns the new epoch.
 
         A coordinator that restarted on new addresses is followed: every planned rank's engine
@@ -188,6 +200,8 @@ class RegistryActor:
         previous = self._state.stats_report_address
         self._state.stats_report_address = report_address
         self._state.stats_publish_address = publish_address
+        if public_key is not None:
+            self._state.coordinator_public_key = public_key
         if previous is not None and previous != report_address:
             task = asyncio.get_running_loop().create_task(self._redirect_stats(report_address))
             self._background.add(task)
@@ -204,6 +218,8 @@ class RegistryActor:
             stats_publish_address=s.stats_publish_address,
             stats_report_address=s.stats_report_address,
             stopping=s.stopping,
+            coordinator_public_key=s.coordinator_public_key,
+            client_keys=dict(s.client_keys),
         )
 
     async def wait_for_change(
@@ -241,13 +257,17 @@ class RegistryActor:
 
     # --- clients -----------------------------------------------------------------------------
 
-    async def attach_client(self, name: str) -> int:
+    async def attach_client(self, name: str, public_key: bytes | None = None) -> int:
         """Attaches a client under a new client index, one never used before in this cluster.
 
         Indices are not reused: an engine's stats report counts each client's requests by
         index, and a report made before a client left could otherwise be read by the next
         holder of its index as counting the newcomer's own requests — hiding the load it
         adds until the engine reports again.
+
+        `public_key` is the client's CURVE key: it is handed to every serving engine and to the
+        coordinator before this returns (an engine that starts later reads it from the
+        membership), so the client can attach to them at once, as that index and no other.
 
         Returns:
             The client's index; it goes into every request the client sends.
@@ -257,13 +277,30 @@ class RegistryActor:
         self._state.next_client_index += 1
         now = time.time()
         self._state.clients[index] = ClientInfo(index, name, now, now)
+        if public_key is not None:
+            self._state.client_keys[index] = public_key
         self._save()
+        if public_key is not None:
+            await self._tell_data_plane(
+                self._serving_engine_names(),
+                lambda actor: actor.admit_client.remote(index, public_key),
+            )
         return index
 
     async def detach_client(self, client_index: int) -> None:
-        """Frees a client index (unknown indices are ignored)."""
-        if self._state.clients.pop(client_index, None) is not None:
+        """Frees a client index (unknown indices are ignored); its key is revoked everywhere."""
+        had_key = self._state.client_keys.pop(client_index, None) is not None
+        if self._state.clients.pop(client_index, None) is not None or had_key:
             self._save()
+        if had_key:
+            task = asyncio.get_running_loop().create_task(
+                self._tell_data_plane(
+                    self._serving_engine_names(),
+                    lambda actor: actor.revoke_client.remote(client_index),
+                )
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def heartbeat_client(self, client_index: int) -> bool:
         """Marks a client alive.
@@ -486,6 +523,33 @@ class RegistryActor:
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception):  # a dead rank reads the membership on restart
                 logger.info("an engine was not told the new stats address: %s", result)
+
+    def _serving_engine_names(self) -> list[str]:
+        """The actors of ranks that serve now (a starting or restarting rank reads the keys
+        from the membership once it has registered)."""
+        serving = (RankState.READY, RankState.LEAVING)
+        return [r.actor_name for r in self._state.ranks.values() if r.state in serving]
+
+    async def _tell_data_plane(self, engine_names: list[str], call: Any) -> None:
+        """Makes `call(actor)` on the named engines and the coordinator and waits (bounded)
+        until they are done: a key change reaches the data plane before the caller goes on.
+        One that fails or is slow is logged; it reads the membership when it restarts."""
+        from shoal.actors.coordinator import COORDINATOR_NAME  # it imports this module
+
+        actors = [find_actor(name, self.namespace) for name in [*engine_names, COORDINATOR_NAME]]
+        refs = [call(actor) for actor in actors if actor is not None]
+        if not refs:
+            return
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*refs, return_exceptions=True), KEY_PROPAGATION_TIMEOUT_S
+            )
+        except TimeoutError:
+            logger.warning("a key change did not reach every engine in time")
+            return
+        for result in results:
+            if isinstance(result, Exception):
+                logger.info("a key change did not reach an actor: %s", result)
 
     def _mark_dead(self, rank: int, identity: bytes) -> None:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""

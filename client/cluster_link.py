@@ -30,6 +30,7 @@ from shoal.cluster.launch import (
     registry_answers_again,
 )
 from shoal.cluster.launch import attach as attach_cluster
+from shoal.engine.curve import CurveKeyPair
 from shoal.engine.errors import EngineDeadError, ModelLoadError
 from shoal.engine.protocol import EngineEndpoint, EngineFacts
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer
@@ -106,15 +107,20 @@ class ClusterLink:
                 await asyncio.sleep(_READY_POLL_S)
         membership: Membership = await handle.registry.membership.remote()
         client_name = name or f"{socket.gethostname()}:{os.getpid()}"
-        client_index: int = await handle.registry.attach_client.remote(client_name)
+        # The data plane admits only keys the registry handed to the cluster's engines and
+        # coordinator: this client's is made here, and only its public half travels.
+        keys = CurveKeyPair.generate()
+        client_index: int = await handle.registry.attach_client.remote(client_name, keys.public)
         try:
             client = DPLBAsyncMPClient(
                 [],
                 client_index=client_index,
                 host=host or ray.util.get_node_ip_address(),
                 stats_address=membership.stats_publish_address,
+                stats_server_key=membership.coordinator_public_key,
                 policy=POLICIES[policy](),
                 hello_timeout_s=ATTACH_TIMEOUT_S,
+                curve_keys=keys,
             )
         except BaseException:
             await handle.registry.detach_client.remote(client_index)

@@ -44,6 +44,7 @@ class DPAsyncMPClient(AsyncMPClient):
     Args:
         endpoints: the ranks to attach to now.
         stats_address: the coordinator's XPUB address; None: no stats subscription.
+        stats_server_key: the coordinator's CURVE public key, for a client with CURVE keys.
         **kwargs: as for `AsyncMPClient`.
     """
 
@@ -52,10 +53,12 @@ class DPAsyncMPClient(AsyncMPClient):
         endpoints: Sequence[EngineEndpoint],
         *,
         stats_address: str | None = None,
+        stats_server_key: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         self.current_wave = 0
         self.stats_address = stats_address
+        self.stats_server_key = stats_server_key
         # Elastic-EP events seen on EEP_NOTIFICATION_CALL_ID, latest last.
         self.eep_scaling_cache: list[Sequence[Any]] = []
         # Called with a rank's index when this client learns it lost that rank (a cluster
@@ -79,6 +82,8 @@ class DPAsyncMPClient(AsyncMPClient):
         if resources.stats_update_task is not None or self.stats_address is None:
             return
         socket = self.ctx.socket(zmq.SUB)
+        if self._curve is not None and self.stats_server_key is not None:
+            self._curve.secure_stats_socket(socket, self.stats_server_key)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.connect(self.stats_address)

@@ -30,6 +30,7 @@ from shoal.client.background_resources import (
 from shoal.client.engine_monitor import EngineMonitor
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import start_engine_process, stop_engine_process
+from shoal.engine.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import (
     EngineCoreOutputs,
@@ -91,6 +92,8 @@ class MPClient:
         transport: "tcp" or "ipc" for the output PULL.
         processes: engine processes this client launched (watched, and stopped on close).
         hello_timeout_s: how long to wait for each engine's HELLO answer.
+        curve_keys: this client's CURVE key pair, for engines that authenticate their clients
+            (`shoal.engine.curve`); the engines must have admitted its public key.
 
     Raises:
         EngineAttachError: an engine refused this client.
@@ -108,6 +111,7 @@ class MPClient:
         transport: Literal["tcp", "ipc"] = "tcp",
         processes: Mapping[int, BaseProcess] | None = None,
         hello_timeout_s: float = 30.0,
+        curve_keys: CurveKeyPair | None = None,
     ) -> None:
         sync_ctx = zmq.Context()
         self.ctx: zmq.Context = zmq.asyncio.Context.shadow(sync_ctx) if asyncio_mode else sync_ctx
@@ -125,16 +129,25 @@ class MPClient:
         # Identities whose connection this client closed lately, and when.
         self._disconnected_at: dict[EngineIdentity, float] = {}
         self._hello_timeout_s = hello_timeout_s
+        self._curve = (
+            None
+            if curve_keys is None
+            else ClientCurve(sync_ctx, curve_keys, f"client {client_index}")
+        )
         try:
             self.input_socket = self._make_input_socket()
             self.output_socket, self.output_address = self._make_output_socket(host, transport)
+            notify_address = self.output_address
+            if self._curve is not None:  # the monitor's notices come in-process, past CURVE
+                notify_address = f"inproc://client-notices-{uuid.uuid4().hex}"
+                self.output_socket.bind(notify_address)
             router_monitor = f"inproc://engine-router-monitor-{uuid.uuid4().hex}"
             self.input_socket.monitor(
                 router_monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
             output_monitor = f"inproc://client-output-monitor-{uuid.uuid4().hex}"
             self.output_socket.monitor(output_monitor, zmq.EVENT_DISCONNECTED)
-            monitor = EngineMonitor(sync_ctx, router_monitor, output_monitor, self.output_address)
+            monitor = EngineMonitor(sync_ctx, router_monitor, output_monitor, notify_address)
             self.resources.engine_monitor = monitor
             monitor.start()
             processes = processes or {}
@@ -161,14 +174,22 @@ class MPClient:
         Raises:
             RuntimeError: the engine failed to start.
         """
+        # Closed like a cluster's data plane: the engine admits this client's key alone.
+        client_keys = CurveKeyPair.generate()
+        engine_keys = EngineKeys(
+            CurveKeyPair.generate(), {kwargs.get("client_index", 0): client_keys.public}
+        )
         process, endpoint = start_engine_process(
             config,
             engine_index=engine_index,
             transport=engine_transport,
             startup_timeout_s=startup_timeout_s,
+            keys=engine_keys,
         )
         try:
-            return cls([endpoint], processes={engine_index: process}, **kwargs)
+            return cls(
+                [endpoint], processes={engine_index: process}, curve_keys=client_keys, **kwargs
+            )
         except BaseException:
             stop_engine_process(process)
             raise
@@ -190,6 +211,8 @@ class MPClient:
 
     def _make_input_socket(self) -> zmq.Socket:
         socket = self.ctx.socket(zmq.ROUTER)
+        if self._curve is not None:
+            self._curve.secure_input_socket(socket)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
@@ -200,6 +223,8 @@ class MPClient:
 
     def _make_output_socket(self, host: str, transport: str) -> tuple[zmq.Socket, str]:
         socket = self.ctx.socket(zmq.PULL)
+        if self._curve is not None:
+            self._curve.secure_output_socket(socket)
         # The default receive HWM: unbounded, the IO thread outruns the reader and costs it
         # a third of its throughput; beyond it, outputs wait in the engine's PUSH queue.
         socket.setsockopt(zmq.LINGER, 0)
@@ -266,11 +291,16 @@ class MPClient:
 
     def _connect_engine(self, endpoint: EngineEndpoint, process: BaseProcess | None) -> None:
         index = endpoint.engine_index
+        refusal = attach_refusal(index, endpoint.public_key, self._curve is not None)
+        if refusal is not None:
+            raise EngineAttachError(refusal)
         if index in self.engines:
             raise ValueError(f"engine {index} is already attached; remove it first")
         time.sleep(self._reconnect_wait_s(endpoint.identity))  # async callers waited already
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.watch(index, endpoint.input_address, process)
+        if self._curve is not None:
+            self._curve.admit_engine(self.input_socket, index, endpoint.public_key)
         self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)
         self.input_socket.connect(endpoint.input_address)
         self.engines[index] = endpoint

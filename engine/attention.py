@@ -2,19 +2,24 @@
 that writes new K/V into the block pool and reads each request's K/V back through its block table.
 
 Decodes go to the C kernel on CPU when one is given (it reads the pool in place), else through
-the torch path (gather + matmul); prefill chunks always use SDPA. Token batch order (set by the
-model runner): decode tokens first, sorted by context length descending, then one contiguous
-chunk per prefilling request. Knows nothing about requests, scheduling or sampling.
+the torch path (gather + matmul). All prefill chunks of a step are attended by one call: the C
+kernel on CPU (in place, causal, per chunk), else one padded SDPA over every chunk (gathered
+from the pool, block-masked), which is the CUDA path; `PREFILL_LOOP` keeps one SDPA per chunk
+(the CPU fallback when no kernel can be built). Token batch order (set by the model runner):
+decode tokens first, sorted by context length descending, then one contiguous chunk per
+prefilling request. Knows nothing about requests, scheduling or sampling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from shoal.engine.paged_attention_kernel import PagedDecodeKernel
 
@@ -61,14 +66,48 @@ class PrefillChunk:
 
 
 @dataclass
+class KernelPrefill:
+    """Every prefill chunk of the step, attended by the C kernel in place (CPU)."""
+
+    block_tables: torch.Tensor  # int32 [P, max_blocks]
+    q_starts: torch.Tensor  # int32 [P]: each chunk's first row in the token batch
+    q_lens: torch.Tensor  # int32 [P]
+    start_pos: torch.Tensor  # int32 [P]: position of each chunk's first token
+    num_threads: int
+    kernel: PagedDecodeKernel
+
+
+@dataclass
+class PaddedPrefill:
+    """Every prefill chunk of the step as one padded batch [P, max_q] x [P, max_k] for SDPA."""
+
+    num_seqs: int
+    max_q: int
+    max_k: int
+    query_rows: torch.Tensor  # [P * max_q] token row of each padded query (a real row always)
+    key_slots: torch.Tensor  # [P * max_k] pool slot of each padded key (slot 0 past the end)
+    mask: torch.Tensor  # bool [P, 1, max_q, max_k]: causal within each sequence's context
+    out_rows: torch.Tensor  # [Tp] token rows of the prefill tokens (contiguous, batch order)
+    padded_index: torch.Tensor  # [Tp] their index in the flat padded [P * max_q]
+
+
+PrefillMode = Literal["kernel", "padded", "loop"]
+PREFILL_KERNEL: PrefillMode = "kernel"
+PREFILL_PADDED: PrefillMode = "padded"
+PREFILL_LOOP: PrefillMode = "loop"
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention layers need for one step, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each token's K/V in the pool
     decode_groups: list[DecodeGroup]  # the torch path's decodes; empty when the kernel has them
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # PREFILL_LOOP only
     num_tokens: int
     kernel_decode: KernelDecode | None = None
+    kernel_prefill: KernelPrefill | None = None
+    padded_prefill: PaddedPrefill | None = None
 
 
 def token_positions(
@@ -94,6 +133,7 @@ def build_attention_metadata(
     dtype: torch.dtype,
     device: torch.device,
     decode_kernel: PagedDecodeKernel | None = None,
+    prefill_mode: PrefillMode | None = None,
 ) -> AttentionMetadata:
     """Builds the step's metadata from per-request arrays, in token batch order.
 
@@ -109,6 +149,8 @@ def build_attention_metadata(
         device: where the tensors go.
         decode_kernel: when given (CPU), the decodes are attended by it instead of the torch
             path.
+        prefill_mode: how the prefill chunks are attended; default: the kernel when one is
+            given, else one padded SDPA.
 
     Returns:
         The metadata; `slot_mapping` has one entry per token of the batch.
@@ -129,17 +171,115 @@ def build_attention_metadata(
             _decode_group(lo, hi, block_table, num_blocks, context_lens, block_size, dtype, device)
             for lo, hi in _split_decodes(num_blocks[:num_decodes], block_size)
         ]
-    prefills = [
-        _prefill_chunk(
-            int(token_starts[i]),
-            int(num_new_tokens[i]),
-            int(starts[i]),
-            block_table[i, : num_blocks[i]],
+    if prefill_mode is None:
+        prefill_mode = default_prefill_mode(device, decode_kernel)
+    meta = AttentionMetadata(slot_mapping, groups, [], len(positions), kernel_decode)
+    if num_decodes == len(starts):
+        return meta
+    if prefill_mode == PREFILL_KERNEL:
+        assert decode_kernel is not None, "the kernel prefill mode needs the kernel"
+        meta.kernel_prefill = _kernel_prefill(
+            block_table[num_decodes:],
+            num_blocks[num_decodes:],
+            token_starts[num_decodes:],
+            num_new_tokens[num_decodes:],
+            starts[num_decodes:],
+            decode_kernel,
+        )
+    elif prefill_mode == PREFILL_PADDED:
+        meta.padded_prefill = _padded_prefill(
+            block_table[num_decodes:],
+            token_starts[num_decodes:],
+            num_new_tokens[num_decodes:],
+            starts[num_decodes:],
+            block_size,
             device,
         )
-        for i in range(num_decodes, len(starts))
-    ]
-    return AttentionMetadata(slot_mapping, groups, prefills, len(positions), kernel_decode)
+    else:
+        meta.prefills = [
+            _prefill_chunk(
+                int(token_starts[i]),
+                int(num_new_tokens[i]),
+                int(starts[i]),
+                block_table[i, : num_blocks[i]],
+                device,
+            )
+            for i in range(num_decodes, len(starts))
+        ]
+    return meta
+
+
+def default_prefill_mode(device: torch.device, kernel: PagedDecodeKernel | None) -> PrefillMode:
+    """The C kernel when there is one; on CUDA one padded SDPA; else one SDPA per chunk (on CPU
+    the padding would cost more attention work than the per-chunk calls cost in Python)."""
+    if kernel is not None:
+        return PREFILL_KERNEL
+    return PREFILL_PADDED if device.type == "cuda" else PREFILL_LOOP
+
+
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def _kernel_prefill(
+    block_table: np.ndarray,
+    num_blocks: np.ndarray,
+    token_starts: np.ndarray,
+    num_new_tokens: np.ndarray,
+    starts: np.ndarray,
+    kernel: PagedDecodeKernel,
+) -> KernelPrefill:
+    return KernelPrefill(
+        block_tables=_int32(block_table[:, : int(num_blocks.max())]),
+        q_starts=_int32(token_starts),
+        q_lens=_int32(num_new_tokens),
+        start_pos=_int32(starts),
+        num_threads=torch.get_num_threads(),
+        kernel=kernel,
+    )
+
+
+def _padded_prefill(
+    block_table: np.ndarray,
+    token_starts: np.ndarray,
+    num_new_tokens: np.ndarray,
+    starts: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> PaddedPrefill:
+    num_seqs = len(starts)
+    max_q = int(num_new_tokens.max())
+    context_lens = starts + num_new_tokens
+    max_k = int(context_lens.max())
+    q_idx = np.arange(max_q)[None, :]
+    # Padded queries repeat their chunk's last row: their mask rows are never empty (no NaN).
+    q_clamped = np.minimum(q_idx, num_new_tokens[:, None] - 1)
+    query_rows = token_starts[:, None] + q_clamped
+    k_idx = np.arange(max_k)[None, :]
+    in_context = k_idx < context_lens[:, None]
+    k_safe = np.where(in_context, k_idx, 0)
+    rows = np.arange(num_seqs)[:, None]
+    key_slots = block_table[rows, k_safe // block_size] * block_size + k_safe % block_size
+    key_slots = np.where(in_context, key_slots, 0)
+    q_pos = starts[:, None] + q_clamped
+    mask = k_idx[:, None, :] <= q_pos[:, :, None]  # [P, max_q, max_k]; past-context keys too
+    is_real = q_idx < num_new_tokens[:, None]
+    padded_index = (rows * max_q + q_idx)[is_real]
+    out_rows = query_rows[is_real]
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    return PaddedPrefill(
+        num_seqs=num_seqs,
+        max_q=max_q,
+        max_k=max_k,
+        query_rows=dev(query_rows.reshape(-1)),
+        key_slots=dev(key_slots.reshape(-1)),
+        mask=dev(mask[:, None]),
+        out_rows=dev(out_rows),
+        padded_index=dev(padded_index),
+    )
 
 
 def _kernel_decode(
@@ -253,18 +393,65 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         assert cache is not None, "the KV cache is not bound; call ModelRunner.initialize_kv_cache"
         flat = cache.view(2, self.num_kv_heads, -1, self.head_dim)
-        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        with record_function("shoal::kv_write"):
+            flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty(
             meta.num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device
         )
-        if meta.kernel_decode is not None:
-            self._decode_in_place(q, meta.kernel_decode, out)
-        for group in meta.decode_groups:
-            self._decode(q, group, out)
-        for chunk in meta.prefills:
-            self._prefill(q, k, v, chunk, out)
+        with record_function("shoal::attn_decode"):
+            if meta.kernel_decode is not None:
+                self._decode_in_place(q, meta.kernel_decode, out)
+            for group in meta.decode_groups:
+                self._decode(q, group, out)
+        with record_function("shoal::attn_prefill"):
+            if meta.kernel_prefill is not None:
+                self._prefill_in_place(q, meta.kernel_prefill, out)
+            if meta.padded_prefill is not None:
+                self._prefill_padded(q, meta.padded_prefill, out)
+            for chunk in meta.prefills:
+                self._prefill(q, k, v, chunk, out)
         return out.view(meta.num_tokens, -1)
+
+    def _prefill_in_place(self, q: torch.Tensor, pre: KernelPrefill, out: torch.Tensor) -> None:
+        cache = self.kv_cache
+        assert cache is not None
+        is_fp32 = q.dtype == torch.float32
+        query, dest = q, out
+        if not is_fp32 or query.stride(-1) != 1:
+            query = query.float().contiguous()
+        if not is_fp32:
+            dest = torch.empty(query.shape, dtype=torch.float32)
+        pre.kernel.prefill(
+            dest,
+            query,
+            cache[0],
+            cache[1],
+            pre.block_tables,
+            pre.q_starts,
+            pre.q_lens,
+            pre.start_pos,
+            scale=self.scale,
+            num_threads=pre.num_threads,
+        )
+        if not is_fp32:
+            # Only the prefill rows: the decode rows of `out` are already written.
+            lo = int(pre.q_starts[0])
+            out[lo:].copy_(dest[lo:])
+
+    def _prefill_padded(self, q: torch.Tensor, pre: PaddedPrefill, out: torch.Tensor) -> None:
+        cache = self.kv_cache
+        assert cache is not None
+        p, kvh, d = pre.num_seqs, self.num_kv_heads, self.head_dim
+        qp = q.index_select(0, pre.query_rows).view(p, pre.max_q, self.num_heads, d)
+        flat = cache.view(2, kvh, -1, d)
+        # One gather of K and V for every chunk: [2, KVH, P * max_k, D] -> [P, KVH, max_k, D].
+        kv = flat.index_select(2, pre.key_slots).view(2, kvh, p, pre.max_k, d).transpose(1, 2)
+        res = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kv[0], kv[1], attn_mask=pre.mask, enable_gqa=True
+        )
+        flat_res = res.transpose(1, 2).reshape(p * pre.max_q, self.num_heads, d)
+        out.index_copy_(0, pre.out_rows, flat_res.index_select(0, pre.padded_index))
 
     def _gather(self, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of `block_ids`, as [2, KVH, len(block_ids) * block_size, D] in the workspace."""

@@ -31,6 +31,14 @@ import zmq
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
+from shoal.engine.curve import (
+    ENGINE_INPUT_DOMAIN,
+    EngineKeys,
+    KeyRing,
+    ZapHandler,
+    client_key_name,
+    curve_server,
+)
 from shoal.engine.distributed import Rendezvous
 from shoal.engine.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
 from shoal.engine.engine_core import EngineCore
@@ -119,6 +127,10 @@ class EngineCoreProc:
         transport: "tcp" (port chosen by the OS) or "ipc" (a socket file in a temp dir).
         identity: the ROUTER routing id clients use to address this engine; default unique.
         stats_address: where to push `EngineStatsReport`s; None: no reports.
+        keys: close the data plane with CURVE (`shoal.engine.curve`): the input ROUTER
+            admits only the admitted clients' keys (`admit_client`), outputs go only to the
+            holder of the client's key, stats only to the coordinator's. None: open sockets
+            (tests and benchmarks that compare).
         rendezvous: where the ranks of an expert-parallel cluster meet (required then); the
             ranks step in DP waves (`shoal.engine.dp_wave`).
 
@@ -145,6 +157,7 @@ class EngineCoreProc:
         identity: bytes | None = None,
         stats_address: str | None = None,
         rendezvous: Rendezvous | None = None,
+        keys: EngineKeys | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
@@ -159,16 +172,43 @@ class EngineCoreProc:
         # A peer that connects and never completes a handshake holds a descriptor this long.
         router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._keys = keys
+        self._client_keys: KeyRing | None = None
+        self._zap: ZapHandler | None = None
+        if keys is not None:
+            self._client_keys = KeyRing(
+                {client_key_name(i): key for i, key in keys.clients.items()}
+            )
+            rings = {ENGINE_INPUT_DOMAIN: self._client_keys}
+            self._zap = ZapHandler(self._ctx, rings, f"engine {engine_index}")
+            self._zap.start()
+            curve_server(router, keys.engine, ENGINE_INPUT_DOMAIN)
         self._input_address = self._bind(router, host, transport)
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
-        # Clients the output thread lets go (they did not take their outputs in time).
-        lagging: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        # Clients to detach: the output thread's (they did not take their outputs in time)
+        # and revoked ones.
+        self._lagging: queue.SimpleQueue[tuple[int, int | None]] = queue.SimpleQueue()
         self._input_thread = InputThread(
-            self._ctx, router, facts, methods, self._input_queue, lagging_clients=lagging
+            self._ctx,
+            router,
+            facts,
+            methods,
+            self._input_queue,
+            lagging_clients=self._lagging,
+            keys=keys.engine if keys is not None else None,
+            client_keys=self._client_keys,
         )
+        stats_keys = None
+        if keys is not None and keys.coordinator is not None:
+            stats_keys = (keys.engine, keys.coordinator)
         self._output_thread = OutputThread(
-            engine_index, queue.SimpleQueue(), self._ctx, stats_address, lagging_clients=lagging
+            engine_index,
+            queue.SimpleQueue(),
+            self._ctx,
+            stats_address,
+            lagging_clients=self._lagging,
+            stats_keys=stats_keys,
         )
         self._is_stats_enabled = stats_address is not None
         self._last_stats: SchedulerStats | None = None
@@ -203,7 +243,28 @@ class EngineCoreProc:
 
     @property
     def endpoint(self) -> EngineEndpoint:
-        return EngineEndpoint(self.engine_index, self._identity, self._input_address)
+        public_key = self._keys.engine.public if self._keys is not None else b""
+        return EngineEndpoint(
+            self.engine_index, self._identity, self._input_address, public_key=public_key
+        )
+
+    def admit_client(self, client_index: int, public_key: bytes) -> None:
+        """Admits a client's public key: it may connect and attach as `client_index` from now
+        on (a key admitted before for that index is replaced). Thread-safe.
+
+        Raises:
+            RuntimeError: this engine runs without CURVE.
+            ValueError: not a CURVE public key.
+        """
+        if self._client_keys is None:
+            raise RuntimeError("this engine runs without CURVE; it has no keys to admit")
+        self._client_keys.admit(client_key_name(client_index), public_key)
+
+    def revoke_client(self, client_index: int) -> None:
+        """Takes a client's key out and detaches the client if it is attached. Thread-safe."""
+        if self._client_keys is not None:
+            self._client_keys.revoke(client_key_name(client_index))
+            self._lagging.put((client_index, None))
 
     def _bind(self, router: zmq.Socket, host: str, transport: Transport) -> str:
         if transport == "tcp":
@@ -446,6 +507,9 @@ class EngineCoreProc:
             if self._input_thread.is_alive() or self._output_thread.is_alive():
                 logger.warning("engine %d IO threads did not stop", self.engine_index)
             else:
+                if self._zap is not None:
+                    self._zap.stop()
+                    self._zap.join(timeout=2)
                 self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -12,8 +12,15 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
-from shoal.engine.attention import AttentionMetadata, build_attention_metadata, token_positions
+from shoal.engine.attention import (
+    AttentionMetadata,
+    PrefillMode,
+    build_attention_metadata,
+    default_prefill_mode,
+    token_positions,
+)
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.expert_parallel import ExpertParallel
 from shoal.engine.model_arch import ModelArch
@@ -96,6 +103,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = Sampler()
         self.decode_kernel = self._decode_kernel()
+        # All prefill chunks of a step in one call: the C kernel on CPU, one padded SDPA on CUDA.
+        self.prefill_mode: PrefillMode = default_prefill_mode(self.device, self.decode_kernel)
         # Persistent host buffers: a step writes its inputs here instead of allocating.
         self._input_ids = np.zeros(scheduler_config.max_num_batched_tokens, dtype=np.int64)
 
@@ -199,15 +208,17 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         batch = _order_batch(scheduler_output.scheduled)
-        input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
+        with record_function("shoal::prepare_inputs"):
+            input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, meta)
         output = ModelRunnerOutput()
         if not sample_rows:
             return output
-        samplers = [s.request for s in batch if s.samples]
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-        sampled = self.sampler(logits, samplers)
+        with record_function("shoal::sample"):
+            samplers = [s.request for s in batch if s.samples]
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            sampled = self.sampler(logits, samplers)
         for request, token, logprobs in zip(
             samplers, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -253,6 +264,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             decode_kernel=self.decode_kernel,
+            prefill_mode=self.prefill_mode,
         )
         ends = np.cumsum(num_new)
         sample_rows = [int(ends[i]) - 1 for i, s in enumerate(batch) if s.samples]

@@ -1,4 +1,5 @@
-"""Builds, caches and calls the C paged decode-attention kernel (engine/csrc/paged_attention.c).
+"""Builds, caches and calls the C paged attention kernels (engine/csrc/paged_attention.c): decode
+(one query per sequence) and prefill (every chunk of a step in one call, causal).
 
 Compiled on first use with the system C compiler into a cache keyed by source, flags, compiler
 and CPU, then loaded with ctypes. Knows tensors, pointers and strides; not requests, metadata or
@@ -42,6 +43,14 @@ _ARGTYPES: list[Any] = (
     + [_i64] * 6  # seqs, heads, kv heads, head_dim, block_size, partition_blocks
     + [ctypes.c_float, ctypes.c_int]  # scale, threads
 )
+_PREFILL_ARGTYPES: list[Any] = (
+    [_ptr, _i64, _i64]  # out, its token / head strides
+    + [_ptr, _i64, _i64]  # query, its token / head strides
+    + [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]  # key, value, head/block/token strides, dtype
+    + [_ptr, _i64, _ptr, _ptr, _ptr]  # block tables, row stride, q starts, q lens, start pos
+    + [_i64] * 5  # seqs, heads, kv heads, head_dim, block_size
+    + [ctypes.c_float, ctypes.c_int]  # scale, threads
+)
 
 
 class KernelBuildError(RuntimeError):
@@ -64,6 +73,9 @@ class PagedDecodeKernel:
         self._fn = lib.shoal_paged_decode_attention
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._prefill_fn = lib.shoal_paged_prefill_attention
+        self._prefill_fn.argtypes = _PREFILL_ARGTYPES
+        self._prefill_fn.restype = ctypes.c_int
 
     def decode(
         self,
@@ -126,6 +138,67 @@ class PagedDecodeKernel:
             rc = self._fn(*args)
         if rc != 0:
             raise RuntimeError(f"paged decode attention kernel failed: {_ERRORS.get(rc, rc)}")
+
+    def prefill(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        start_pos: torch.Tensor,
+        *,
+        scale: float,
+        num_threads: int,
+    ) -> None:
+        """Causal attention for every prefill chunk at once, K/V read from the pool in place.
+
+        Chunk s owns query rows [q_starts[s], q_starts[s] + q_lens[s]) at positions
+        [start_pos[s], start_pos[s] + q_lens[s]); row i attends its sequence's positions
+        [0, start_pos[s] + i], whose K/V (the chunk's own included) are already in the pool.
+
+        Args:
+            out: fp32 [num_tokens, num_heads, head_dim], its chunks' rows written.
+            query: fp32 [num_tokens, num_heads, head_dim]; the last dim contiguous.
+            key_cache, value_cache: one layer's pools, as for `decode`.
+            block_tables: int32 [num_seqs, max_blocks]; row s covers its chunk's last position.
+            q_starts, q_lens, start_pos: int32 [num_seqs], contiguous.
+            scale: multiplies the scores.
+            num_threads: OpenMP threads.
+
+        Raises:
+            RuntimeError: the kernel rejected its arguments or ran out of memory.
+        """
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, _, block_size, _ = key_cache.shape
+        num_seqs = q_lens.shape[0]
+        assert out.shape == query.shape and out.dtype == query.dtype == torch.float32
+        assert key_cache.dtype in _KV_DTYPES and value_cache.dtype == key_cache.dtype
+        assert value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride()
+        assert key_cache.shape[3] == head_dim, "query and pool head_dim differ"
+        for name, t in (("out", out), ("query", query), ("key_cache", key_cache)):
+            assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
+            assert t.device.type == "cpu", f"{name} is on {t.device}; the kernel runs on CPU"
+        for t in (block_tables, q_starts, q_lens, start_pos):
+            assert t.dtype == torch.int32 and t.shape[0] == num_seqs, "int32, one row per seq"
+        assert block_tables.stride(-1) == 1, "block tables: rows contiguous"
+        assert q_starts.is_contiguous() and q_lens.is_contiguous() and start_pos.is_contiguous()
+        args = (
+            *(out.data_ptr(), out.stride(0), out.stride(1)),
+            *(query.data_ptr(), query.stride(0), query.stride(1)),
+            *(key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3]),
+            _KV_DTYPES[key_cache.dtype],
+            *(block_tables.data_ptr(), block_tables.stride(0)),
+            *(q_starts.data_ptr(), q_lens.data_ptr(), start_pos.data_ptr()),
+            *(num_seqs, num_heads, num_kv_heads, head_dim, block_size),
+            *(scale, num_threads),
+        )
+        with torch.profiler.record_function("shoal::paged_prefill_attention"):
+            rc = self._prefill_fn(*args)
+        if rc != 0:
+            raise RuntimeError(f"paged prefill attention kernel failed: {_ERRORS.get(rc, rc)}")
 
 
 def is_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

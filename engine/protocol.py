@@ -307,6 +307,8 @@ class EngineEndpoint(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     engine_index: int
     identity: bytes
     input_address: str
+    # The engine's CURVE public key (Z85); empty: the engine's sockets are open.
+    public_key: bytes = b""
 
 
 class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

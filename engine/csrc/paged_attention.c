@@ -550,3 +550,182 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
     free(state);
     return SHOAL_OK;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Paged prefill attention: every prefill chunk of a step in one call. Chunk s has q_lens[s]
+ * query tokens at positions [start_pos[s], start_pos[s] + q_lens[s]) (rows q_starts[s]... of
+ * query / out); query i attends positions [0, start_pos[s] + i] of its sequence, all read from
+ * the pool in place (the chunk's own K/V are written there before the call).
+ *
+ * A work item is (chunk, tile of LANES queries, query head). The tile's queries are the vector
+ * lanes: Q is transposed once per item into qt[d] (one vector per dimension), so a key row's
+ * scores for all LANES queries are head_dim FMAs of qt[d] by the broadcast k[d], with no
+ * horizontal sums, and the output accumulates the same way from broadcast v[d]. Keys are
+ * visited in tiles of KEY_TILE rows with an online softmax per lane; tiles past the last
+ * query's position are never read.
+ * ------------------------------------------------------------------------------------------- */
+#define KEY_TILE 16
+/* Output dimensions accumulated together across a key tile: independent FMA chains enough to
+ * cover the FMA latency, few enough to stay in registers beside the tile's probabilities. */
+#define ACC_CHUNK 8
+
+static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, int64_t q_pos0,
+                                            int64_t num_q, float *acc_out, float *l_out,
+                                            const int64_t head_dim) {
+    const int64_t key_end = q_pos0 + num_q; /* keys [0, key_end) */
+    vfloat acc[head_dim];
+    for (int64_t d = 0; d < head_dim; d++) acc[d] = vsplat(0.0f);
+    vfloat m = vsplat(-INFINITY), l = vsplat(0.0f);
+    vint lane;
+    for (int j = 0; j < LANES; j++) lane[j] = j;
+    float k_buf[KEY_TILE * head_dim], v_buf[KEY_TILE * head_dim];
+    const float *k_rows[KEY_TILE], *v_rows[KEY_TILE];
+    int64_t offsets[KEY_TILE];
+    for (int64_t pos = 0; pos < key_end; pos += KEY_TILE) {
+        const int64_t n = key_end - pos < KEY_TILE ? key_end - pos : KEY_TILE;
+        row_offsets(kv, pos, n, offsets);
+        tile_rows(k_rows, kv->key_cache, offsets, n, kv->kv_dtype, k_buf, head_dim);
+        tile_rows(v_rows, kv->value_cache, offsets, n, kv->kv_dtype, v_buf, head_dim);
+        /* A short last tile repeats row 0: its scores are masked and its weights are 0. */
+        for (int64_t j = n; j < KEY_TILE; j++) {
+            k_rows[j] = k_rows[0];
+            v_rows[j] = v_rows[0];
+        }
+        vfloat s[KEY_TILE];
+        for (int64_t j = 0; j < KEY_TILE; j++) s[j] = vsplat(0.0f);
+        for (int64_t d = 0; d < head_dim; d++) {
+            const vfloat q = vload(qt + d * LANES);
+            for (int64_t j = 0; j < KEY_TILE; j++) s[j] += q * k_rows[j][d];
+        }
+        /* Causal mask: key pos + j is visible to lane t when pos + j <= q_pos0 + t. */
+        const int needs_mask = pos + KEY_TILE - 1 > q_pos0 || n < KEY_TILE;
+        vfloat tile_max = vsplat(-INFINITY);
+        for (int64_t j = 0; j < KEY_TILE; j++) {
+            if (needs_mask) {
+                const vint visible = (lane + (int32_t)(q_pos0 - pos - j)) >= 0;
+                s[j] = j < n ? vselect(visible, s[j], vsplat(-INFINITY)) : vsplat(-INFINITY);
+            }
+            tile_max = vmax(tile_max, s[j]);
+        }
+        const vfloat m_new = vmax(m, tile_max);
+        /* m is -inf only before the first tile, which always holds key 0 (visible to all). */
+        const vfloat correction = vexp_nonpositive(m - m_new);
+        m = m_new;
+        vfloat tile_sum = vsplat(0.0f);
+        for (int64_t j = 0; j < KEY_TILE; j++) {
+            s[j] = j < n ? vexp_nonpositive(s[j] - m) : vsplat(0.0f);
+            tile_sum += s[j];
+        }
+        l = l * correction + tile_sum;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += ACC_CHUNK) {
+            const int64_t dn = head_dim - d0 < ACC_CHUNK ? head_dim - d0 : ACC_CHUNK;
+            vfloat a[ACC_CHUNK];
+            for (int64_t c = 0; c < ACC_CHUNK; c++)
+                if (c < dn) a[c] = acc[d0 + c] * correction;
+            for (int64_t j = 0; j < KEY_TILE; j++) {
+                const float *row = v_rows[j] + d0;
+                for (int64_t c = 0; c < ACC_CHUNK; c++)
+                    if (c < dn) a[c] += s[j] * row[c];
+            }
+            for (int64_t c = 0; c < ACC_CHUNK; c++)
+                if (c < dn) acc[d0 + c] = a[c];
+        }
+    }
+    for (int64_t d = 0; d < head_dim; d++) vstore(acc_out + d * LANES, acc[d]);
+    vstore(l_out, l);
+}
+
+static void prefill_item(const kv_view *kv, const float *qt, int64_t q_pos0, int64_t num_q,
+                         float *acc_out, float *l_out, int64_t head_dim) {
+    switch (head_dim) {
+    case 64:
+        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, 64);
+        break;
+    case 128:
+        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, 128);
+        break;
+    default:
+        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, head_dim);
+    }
+}
+
+/*
+ * out[q_starts[s] + i, h, :] = softmax(scale * q . K[s, kvh, 0:start_pos[s] + i + 1]) V[...]
+ * for every chunk s and i < q_lens[s]; kvh = h / (num_heads / num_kv_heads).
+ *
+ * out, query: fp32, element strides per token and per head; head_dim contiguous.
+ * key_cache, value_cache, kv strides, kv_dtype: as for shoal_paged_decode_attention.
+ * block_tables: int32 [num_seqs, >= ceil((start_pos + q_len) / block_size)].
+ * q_starts, q_lens, start_pos: int32 [num_seqs]; q_lens >= 1, start_pos >= 0.
+ * Returns SHOAL_OK or SHOAL_BAD_ARGUMENT.
+ */
+int shoal_paged_prefill_attention(float *out, int64_t out_tok_stride, int64_t out_head_stride,
+                                  const float *query, int64_t query_tok_stride,
+                                  int64_t query_head_stride, const void *key_cache,
+                                  const void *value_cache, int64_t kv_head_stride,
+                                  int64_t kv_block_stride, int64_t kv_token_stride, int kv_dtype,
+                                  const int32_t *block_tables, int64_t block_table_stride,
+                                  const int32_t *q_starts, const int32_t *q_lens,
+                                  const int32_t *start_pos, int64_t num_seqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int num_threads) {
+    if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 ||
+        head_dim > MAX_HEAD_DIM || block_size < 1 || num_threads < 1 ||
+        (kv_dtype != SHOAL_KV_FLOAT32 && kv_dtype != SHOAL_KV_BFLOAT16))
+        return SHOAL_BAD_ARGUMENT;
+    int64_t num_tiles = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (q_lens[s] < 1 || start_pos[s] < 0) return SHOAL_BAD_ARGUMENT;
+        num_tiles += (q_lens[s] + LANES - 1) / LANES;
+    }
+    if (num_tiles == 0) return SHOAL_OK;
+    /* Tile t -> (chunk, first query): a flat list so one parallel loop covers every chunk. */
+    int64_t *tile_seq = malloc((size_t)num_tiles * 2 * sizeof(int64_t));
+    if (tile_seq == NULL) return SHOAL_OUT_OF_MEMORY;
+    int64_t t = 0;
+    /* Longest-running tiles (the last of the longest contexts) first: dynamic scheduling
+     * then ends with the short ones, and the threads finish together. */
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t i0 = ((q_lens[s] - 1) / LANES) * LANES; i0 >= 0; i0 -= LANES) {
+            tile_seq[2 * t] = s;
+            tile_seq[2 * t + 1] = i0;
+            t++;
+        }
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t elem = kv_dtype == SHOAL_KV_FLOAT32 ? 4 : 2;
+    const int64_t num_items = num_tiles * num_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        const int64_t tile = item / num_heads, head = item % num_heads;
+        const int64_t s = tile_seq[2 * tile], i0 = tile_seq[2 * tile + 1];
+        const int64_t num_q = q_lens[s] - i0 < LANES ? q_lens[s] - i0 : LANES;
+        const int64_t kv_head = head / group;
+        float qt[head_dim * LANES], acc[head_dim * LANES], l[LANES];
+        for (int64_t lane_i = 0; lane_i < LANES; lane_i++) {
+            if (lane_i < num_q) {
+                const float *src = query + (q_starts[s] + i0 + lane_i) * query_tok_stride +
+                                   head * query_head_stride;
+                for (int64_t d = 0; d < head_dim; d++) qt[d * LANES + lane_i] = src[d] * scale;
+            } else {
+                for (int64_t d = 0; d < head_dim; d++) qt[d * LANES + lane_i] = 0.0f;
+            }
+        }
+        const kv_view kv = {(const char *)key_cache + kv_head * kv_head_stride * elem,
+                            (const char *)value_cache + kv_head * kv_head_stride * elem,
+                            block_tables + s * block_table_stride,
+                            kv_block_stride * elem,
+                            kv_token_stride * elem,
+                            block_size,
+                            kv_dtype,
+                            group};
+        prefill_item(&kv, qt, start_pos[s] + i0, num_q, acc, l, head_dim);
+        for (int64_t lane_i = 0; lane_i < num_q; lane_i++) {
+            float *dst =
+                out + (q_starts[s] + i0 + lane_i) * out_tok_stride + head * out_head_stride;
+            const float inv = 1.0f / l[lane_i];
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d * LANES + lane_i] * inv;
+        }
+    }
+    free(tile_seq);
+    return SHOAL_OK;
+}

@@ -197,3 +197,25 @@ def test_dtype_resolution(hf_llama) -> None:
     assert resolve_dtype("auto", half_arch, torch.device("cuda")) == torch.float16
     with pytest.raises(ValueError, match="float16"):
         resolve_dtype("float16", arch, cpu)
+
+
+@pytest.mark.parametrize("mode", ["kernel", "padded", "loop"])
+def test_every_prefill_mode_gives_hfs_tokens_chunked_cached_and_batched(
+    hf_llama, mode: str
+) -> None:
+    # One step holds several prefill chunks at once: whole prompts, a later chunk of a prompt
+    # (attending its earlier chunk in the cache), a cached prefix's tail, beside decodes.
+    prompts = random_prompts([9, 33, 14, 1, 22], seed=11)
+    runner, recorder = _runner(hf_llama)
+    if mode == "kernel" and runner.decode_kernel is None:
+        pytest.skip("no C kernel here")
+    runner.prefill_mode = mode  # type: ignore[assignment]
+    driver = Driver(runner, BlockPool(runner.num_blocks, shuffle_seed=3))
+    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+    driver.generate(requests[:1], 2)  # r0 decodes while the rest prefill
+    driver.step([driver.schedule(requests[0], 1)] + [driver.schedule(r, 7) for r in requests[1:3]])
+    tokens = driver.generate(requests, 5, chunk_size=10)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = _alone(hf_llama, prompt, 5)
+        assert tokens[f"r{i}"] == ref_tokens
+        torch.testing.assert_close(recorder.logits[f"r{i}"], ref_logits, atol=1e-4, rtol=1e-4)

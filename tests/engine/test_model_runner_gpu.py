@@ -11,9 +11,15 @@ from shoal.engine.protocol import EngineCoreRequest, SamplingParams
 from tests.engine.core_proc_utils import tiny_config
 from tests.engine.model_utils import (
     ARCHITECTURES,
+    BlockPool,
+    Driver,
+    RecordingSampler,
+    assert_greedy_matches,
     assert_runner_matches_hf,
     greedy_generate,
+    hf_greedy,
     make_hf_model,
+    make_request,
     make_runner,
     random_prompts,
 )
@@ -79,3 +85,24 @@ def test_engine_core_on_cuda_gives_the_same_tokens_alone_and_batched(
     batched = run(list(prompts))
     for rid in prompts:
         assert run([rid]) == {rid: batched[rid]}
+
+
+@pytest.mark.parametrize("mode", ["padded", "loop"])
+def test_cuda_prefill_chunks_in_one_padded_call_give_hfs_tokens(mode: str) -> None:
+    # Several prefill chunks per step (whole prompts, later chunks over a cached past) beside
+    # decodes: the one padded SDPA call (CUDA's default) and one call per chunk agree with HF.
+    hf_model = make_hf_model("LlamaForCausalLM")
+    runner = make_runner(hf_model, device="cuda")
+    assert runner.prefill_mode == "padded"
+    runner.prefill_mode = mode  # type: ignore[assignment]
+    runner.sampler = recorder = RecordingSampler()
+    prompts = random_prompts([9, 33, 14, 1, 22], seed=11)
+    driver = Driver(runner, BlockPool(runner.num_blocks, shuffle_seed=3))
+    requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
+    driver.generate(requests[:1], 2)
+    driver.step([driver.schedule(requests[0], 1)] + [driver.schedule(r, 7) for r in requests[1:3]])
+    tokens = driver.generate(requests, 5, chunk_size=10)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, 5)
+        ours = [row.cpu() for row in recorder.logits[f"r{i}"]]
+        assert_greedy_matches(tokens[f"r{i}"], ours, ref_tokens, ref_logits)

@@ -1,5 +1,5 @@
-"""The C paged decode kernel against a dense float64 softmax(QK^T)V and the torch gather path;
-its build cache and loader; the fallback to the torch path."""
+"""The C paged decode and prefill kernels against a dense float64 softmax(QK^T)V and the torch
+gather path; their build cache and loader; the fallback to the torch path."""
 
 from __future__ import annotations
 
@@ -197,6 +197,9 @@ def test_other_vector_widths_match(tmp_path: Path, cflags: tuple[str, ...]) -> N
     _assert_close_rel(case.run_kernel(other), case.reference(), 1e-5)
     case = Case(CONTEXTS, num_heads=4, num_kv_heads=4, head_dim=128, block_size=5)
     _assert_close_rel(case.run_kernel(other), case.reference(), 1e-5)
+    pre, query, starts = _prefill_case(PREFILL_CHUNKS, num_heads=6, num_kv_heads=2, head_dim=72)
+    out = _run_prefill(other, pre, query, PREFILL_CHUNKS, starts)
+    _assert_close_rel(out, _prefill_reference(pre, query, PREFILL_CHUNKS, starts), 1e-5)
 
 
 def _attention_step(
@@ -349,3 +352,104 @@ def test_shares_torchs_openmp_runtime(kernel) -> None:
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def _prefill_case(
+    chunks: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[Case, torch.Tensor, list[int]]:
+    """A pool and tables for chunks (start_pos, num_queries), and their flat query rows."""
+    case = Case(
+        [s + n for s, n in chunks],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(n for _, n in chunks), num_heads, head_dim, generator=gen)
+    starts = np.cumsum([0] + [n for _, n in chunks])[:-1].tolist()
+    return case, query, starts
+
+
+def _prefill_reference(
+    case: Case, query: torch.Tensor, chunks: list[tuple[int, int]], starts: list[int]
+) -> torch.Tensor:
+    """Causal softmax(scale q K^T) V in float64, each query over its sequence's [0, pos]."""
+    num_heads, num_kv_heads = query.shape[1], case.pool.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, (start_pos, n) in enumerate(chunks):
+        ctx = start_pos + n
+        ids = torch.from_numpy(case.block_table[i, : -(-ctx // case.block_size)])
+        kv = case.pool[:, :, ids].double().flatten(2, 3)[:, :, :ctx]
+        kv = kv.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q = query[starts[i] : starts[i] + n].double()
+        scores = torch.einsum("qhd,htd->hqt", q, kv[0]) * case.scale
+        visible = torch.arange(ctx)[None, :] <= torch.arange(start_pos, ctx)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[starts[i] : starts[i] + n] = torch.einsum("hqt,htd->qhd", scores.softmax(-1), kv[1])
+    return out
+
+
+def _run_prefill(
+    kernel: PagedDecodeKernel,
+    case: Case,
+    query: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    starts: list[int],
+    num_threads: int = 2,
+) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))
+    kernel.prefill(
+        out,
+        query,
+        case.pool[0],
+        case.pool[1],
+        torch.from_numpy(case.block_table.astype(np.int32)),
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([n for _, n in chunks], dtype=torch.int32),
+        torch.tensor([s for s, _ in chunks], dtype=torch.int32),
+        scale=case.scale,
+        num_threads=num_threads,
+    )
+    return out
+
+
+# (start_pos, queries): from scratch, later chunks over a cached past, one query, tile edges.
+PREFILL_CHUNKS = [(0, 37), (20, 5), (100, 64), (3, 1), (0, 16), (15, 17), (0, 1), (250, 33)]
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 1), (72, 4)])
+def test_prefill_matches_dense_causal_reference(kernel, head_dim: int, group: int) -> None:
+    case, query, starts = _prefill_case(
+        PREFILL_CHUNKS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim
+    )
+    out = _run_prefill(kernel, case, query, PREFILL_CHUNKS, starts)
+    _assert_close_rel(out, _prefill_reference(case, query, PREFILL_CHUNKS, starts), 1e-5)
+
+
+def test_prefill_bf16_pool_odd_block_size_one_thread(kernel) -> None:
+    case, query, starts = _prefill_case(
+        PREFILL_CHUNKS,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=5,
+        dtype=torch.bfloat16,
+    )
+    out = _run_prefill(kernel, case, query, PREFILL_CHUNKS, starts, num_threads=1)
+    _assert_close_rel(out, _prefill_reference(case, query, PREFILL_CHUNKS, starts), 1e-5)
+
+
+def test_prefill_rejects_an_empty_chunk(kernel) -> None:
+    case, query, starts = _prefill_case([(0, 4)], num_heads=2, num_kv_heads=2, head_dim=64)
+    with pytest.raises(RuntimeError, match="bad argument"):
+        _run_prefill(kernel, case, query, [(0, 0)], starts)

@@ -1,0 +1,274 @@
+"""shoal's engine against vLLM's CPU build on the same machine, same weights, same requests.
+
+The offline workload of `bench/engine_throughput.py` (SmolLM2-135M in fp32, 32 requests of
+16-512 random prompt tokens and 16-256 output tokens, greedy, EOS ignored) and a single stream
+(one 16-token prompt, 128 output tokens), run by each engine in its own fresh process,
+alternating shoal and vLLM for `--rounds` rounds. Both are driven step by step (shoal's
+`EngineCore.step`, vLLM's `LLMEngine.step`, which is what `LLM.generate` loops over), and every
+token is timestamped when its step returns it, so TTFT and inter-token latency (ITL, every gap
+between two tokens of one request) are measured the same way on both sides.
+
+vLLM runs from `.bench/vllm-venv` on `.bench/smollm2-135m` (both made by
+`bench/setup_vllm_peer.sh`) with `VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+VLLM_CPU_KVCACHE_SPACE=4`; shoal serves the GGUF those weights were converted from.
+
+    .venv/bin/python bench/engine_vs_vllm.py [--rounds 2] [--parts offline,single]
+        [--shoal-arg max_num_batched_tokens=1024 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
+VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
+VLLM_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+}
+MAX_MODEL_LEN = 1024
+
+
+def make_workload(part: str, seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt token ids, max_tokens) per request; the offline one is engine_throughput's."""
+    rng = random.Random(seed)
+    if part == "single":
+        return [[rng.randrange(100, 49152) for _ in range(16)]], [128]
+    prompts = [[rng.randrange(100, 49152) for _ in range(rng.randint(16, 512))] for _ in range(32)]
+    return prompts, [rng.randint(16, 256) for _ in range(32)]
+
+
+# --- workers: each runs inside its engine's own venv and prints one JSON line ---------------
+
+
+def _drive(add: Any, step: Any, num_requests: int) -> tuple[float, dict[str, list[float]]]:
+    """Steps until every request finished; returns (start time, token times per request)."""
+    times: dict[str, list[float]] = {str(i): [] for i in range(num_requests)}
+    start = time.perf_counter()
+    add()
+    done = 0
+    while done < num_requests:
+        for request_id, new_tokens, finished in step():
+            now = time.perf_counter()
+            times[request_id].extend([now] * new_tokens)
+            done += finished
+    return start, times
+
+
+def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT))
+    from shoal.client import SamplingParams
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.engine_core import EngineCore
+    from shoal.engine.loader import smollm2_gguf_path
+    from shoal.engine.protocol import EngineCoreRequest
+
+    config = EngineConfig.from_kwargs(
+        smollm2_gguf_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, **job["engine_args"]
+    )
+    core = EngineCore(config)
+
+    def requests(prompts: list[list[int]], max_tokens: list[int], tag: str) -> list[Any]:
+        return [
+            EngineCoreRequest(
+                request_id=f"{tag}{i}",
+                prompt_token_ids=p,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                arrival_time=time.time(),
+            )
+            for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+
+    for r in requests([job["prompts"][0][:16]], [2], "warm"):  # warm-up
+        core.add_request(r)
+    while core.has_unfinished_requests():
+        core.step()
+
+    def add() -> None:
+        for r in requests(job["prompts"], job["max_tokens"], ""):
+            core.add_request(r)
+
+    def step() -> list[tuple[str, int, bool]]:
+        return [
+            (o.request_id, len(o.new_token_ids), o.finished)
+            for outs in core.step().values()
+            for o in outs.outputs
+        ]
+
+    start, times = _drive(add, step, len(job["prompts"]))
+    core.shutdown()
+    return {"start": start, "times": times}
+
+
+def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import EngineArgs, LLMEngine, SamplingParams, TokensPrompt
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=job["vllm_model"],
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            seed=0,
+            **job["engine_args"],
+        )
+    )
+
+    def params(n: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    engine.add_request("warm", TokensPrompt(prompt_token_ids=job["prompts"][0][:16]), params(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    counts: dict[str, int] = {}
+
+    def add() -> None:
+        for i, (p, n) in enumerate(zip(job["prompts"], job["max_tokens"], strict=True)):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params(n))
+
+    def step() -> list[tuple[str, int, bool]]:
+        events = []
+        for o in engine.step():
+            total = len(o.outputs[0].token_ids)
+            events.append((o.request_id, total - counts.get(o.request_id, 0), o.finished))
+            counts[o.request_id] = total
+        return events
+
+    start, times = _drive(add, step, len(job["prompts"]))
+    return {"start": start, "times": times}
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, float]:
+    prompts, max_tokens = make_workload(part, args.seed)
+    extra = args.shoal_arg if engine == "shoal" else args.vllm_arg
+    job = {
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "vllm_model": str(VLLM_MODEL),
+        "engine_args": dict(_parse_kv(a) for a in extra),
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    env = dict(os.environ)
+    python = sys.executable
+    if engine == "vllm":
+        env.update(VLLM_ENV)
+        python = str(VLLM_PYTHON)
+    try:
+        proc = subprocess.run(
+            [python, __file__, "--worker", engine, "--job", f.name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{engine} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    return summarise(result["start"], result["times"], max_tokens)
+
+
+def summarise(
+    start: float, times: dict[str, list[float]], max_tokens: list[int]
+) -> dict[str, float]:
+    counts = [len(times[str(i)]) for i in range(len(max_tokens))]
+    assert counts == max_tokens, f"token counts {counts} != max_tokens {max_tokens}"
+    end = max(t[-1] for t in times.values())
+    ttfts = [t[0] - start for t in times.values()]
+    itls = [b - a for t in times.values() for a, b in itertools.pairwise(t)]
+    return {
+        "tokens_per_s": sum(max_tokens) / (end - start),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": statistics.median(itls),
+        "itl_p99": percentile(itls, 99),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _parse_kv(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--parts", default="offline,single")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shoal-arg", action="append", default=[], help="engine kwarg k=v")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="EngineArgs k=v")
+    parser.add_argument("--worker", choices=["shoal", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        job = json.loads(Path(args.job).read_text())
+        result = (worker_shoal if args.worker == "shoal" else worker_vllm)(job)
+        print(json.dumps(result))
+        return
+    if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
+        sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
+    print(f"load average before: {_load()}")
+    for part in args.parts.split(","):
+        prompts, max_tokens = make_workload(part, args.seed)
+        print(
+            f"\n[{part}] {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
+            f"output tokens {sum(max_tokens)}, fp32, shoal args {args.shoal_arg or '-'}"
+        )
+        results: dict[str, list[dict[str, float]]] = {"shoal": [], "vllm": []}
+        for r in range(args.rounds):
+            # Alternate which engine goes first, so neither always runs on a warmer machine.
+            order = ["shoal", "vllm"] if r % 2 == 0 else ["vllm", "shoal"]
+            for engine in order:
+                s = run_round(engine, part, args)
+                results[engine].append(s)
+                print(
+                    f"  round {r + 1} {engine:5s} {s['tokens_per_s']:8.1f} tok/s   "
+                    f"TTFT p50 {s['ttft_p50'] * 1e3:7.0f} p99 {s['ttft_p99'] * 1e3:7.0f} ms   "
+                    f"ITL p50 {s['itl_p50'] * 1e3:6.1f} p99 {s['itl_p99'] * 1e3:6.1f} ms",
+                    flush=True,
+                )
+        for r in range(args.rounds):
+            a, b = results["shoal"][r], results["vllm"][r]
+            print(
+                f"  round {r + 1} ratio shoal / vLLM: throughput "
+                f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x, ITL p99 vLLM / shoal "
+                f"{b['itl_p99'] / a['itl_p99']:.2f}x, TTFT p50 vLLM / shoal "
+                f"{b['ttft_p50'] / a['ttft_p50']:.2f}x"
+            )
+        mean = {e: statistics.mean(x["tokens_per_s"] for x in v) for e, v in results.items()}
+        print(f"  mean throughput ratio shoal / vLLM {mean['shoal'] / mean['vllm']:.2f}x")
+    print(f"\nload average after: {_load()}")
+
+
+if __name__ == "__main__":
+    main()
