@@ -21,6 +21,7 @@ from shoal.actors.membership import Membership
 from shoal.actors.registry import REGISTRY_NAME
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.curve import CurveKeyPair, EngineKeys
 from shoal.engine.distributed import Rendezvous
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
@@ -50,6 +51,8 @@ class EngineCoreActor:
         rank: this engine's data-parallel rank.
         namespace: the Ray namespace holding the registry.
         host: the address to bind; default: this node's IP.
+        rank_keys: the rank's CURVE key pair, made at launch (the coordinator admits it
+            before the engine starts); default a new one.
 
     Raises:
         KeyError: if the registry has not planned this rank.
@@ -57,7 +60,12 @@ class EngineCoreActor:
     """
 
     def __init__(
-        self, config: EngineConfig, rank: int, namespace: str, host: str | None = None
+        self,
+        config: EngineConfig,
+        rank: int,
+        namespace: str,
+        host: str | None = None,
+        rank_keys: CurveKeyPair | None = None,
     ) -> None:
         self.rank = rank
         # Read now, for drivers on nodes without the checkpoint (`tokenizer()`): this node's
@@ -73,6 +81,13 @@ class EngineCoreActor:
         # A new identity per incarnation: clients must never confuse a restarted rank's
         # connection with the dead one's.
         identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
+        # The rank's key pair (`shoal.engine.curve`): clients learn its public half from the
+        # endpoint it registers.
+        keys = EngineKeys(
+            rank_keys or CurveKeyPair.generate(),
+            membership.client_keys,
+            membership.coordinator_public_key,
+        )
         self.proc = EngineCoreProc(
             config.with_rank(rank),
             engine_index=rank,
@@ -80,6 +95,7 @@ class EngineCoreActor:
             identity=identity,
             stats_address=membership.stats_report_address,
             rendezvous=_ep_rendezvous(registry, config, node_ip, namespace),
+            keys=keys,
         )
         self.endpoint: EngineEndpoint = self.proc.endpoint
         self._busy_loop = threading.Thread(
@@ -92,6 +108,12 @@ class EngineCoreActor:
         self._busy_loop.start()
         try:
             self.incarnation: int = ray.get(registry.register_engine.remote(self.endpoint, node_ip))
+            # Clients that attached while this rank was starting: from now on the registry
+            # tells this actor of every new one.
+            for client_index, public_key in ray.get(
+                registry.membership.remote()
+            ).client_keys.items():
+                self.proc.admit_client(client_index, public_key)
         except BaseException:
             self.shutdown()
             raise
@@ -137,6 +159,15 @@ class EngineCoreActor:
         if isinstance(self._tokenizer, ModelLoadError):
             raise self._tokenizer
         return self._tokenizer
+
+    def admit_client(self, client_index: int, public_key: bytes) -> None:
+        """Lets the client holding `public_key` attach as `client_index` (the registry calls
+        this for every client that attaches)."""
+        self.proc.admit_client(client_index, public_key)
+
+    def revoke_client(self, client_index: int) -> None:
+        """Takes a detached client's key out; a connection it still has is let go."""
+        self.proc.revoke_client(client_index)
 
     def set_stats_address(self, address: str) -> None:
         """Pushes stats reports to `address` from now on (the coordinator moved)."""

@@ -45,6 +45,7 @@ from shoal.cluster.placement import (
     remove_cluster_placement_groups,
 )
 from shoal.engine.config import EngineConfig
+from shoal.engine.curve import CurveKeyPair
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.expert_parallel import check_expert_parallel
 from shoal.engine.loader import load_model_arch
@@ -238,17 +239,24 @@ def launch(
         .options(name=REGISTRY_NAME, **control)
         .remote(namespace, config, detached)
     )
+    # The coordinator's key pair is made here and lives in its constructor's arguments, so a
+    # coordinator that Ray restarts is the same CURVE server to every engine and client.
+    coordinator_keys = CurveKeyPair.generate()
     coordinator: ActorHandle = (
         ray.remote(CoordinatorActor)
         .options(name=COORDINATOR_NAME, **control)
-        .remote(host or "", namespace)
+        .remote(host or "", namespace, coordinator_keys)
     )
     handle = ClusterHandle(namespace, registry, coordinator)
     try:
         report_address, publish_address = ray.get(
             coordinator.addresses.remote(), timeout=ready_timeout_s
         )
-        ray.get(registry.set_coordinator.remote(report_address, publish_address))
+        ray.get(
+            registry.set_coordinator.remote(
+                report_address, publish_address, coordinator_keys.public
+            )
+        )
         ranks = range(config.parallel.data_parallel_size)
         add_ranks(
             handle,
@@ -333,6 +341,11 @@ def add_ranks(
                 rank, engine_actor_name(rank), placement_group_name(handle.namespace, rank)
             )
         )
+        # The rank's key pair, made here and kept in its constructor's arguments (a restarted
+        # rank has the same one): the coordinator admits it before the engine first connects,
+        # since a connection refused at its handshake is not tried again.
+        rank_keys = CurveKeyPair.generate()
+        ray.get(handle.coordinator.admit_engine.remote(rank, rank_keys.public))
         handle.engines[rank] = (
             ray.remote(EngineCoreActor)
             .options(
@@ -345,7 +358,7 @@ def add_ranks(
                 max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group),
             )
-            .remote(config, rank, handle.namespace, host)
+            .remote(config, rank, handle.namespace, host, rank_keys)
         )
     deadline = start + ready_timeout_s
     readiness = {rank: handle.engines[rank].ready.remote() for rank in ranks}

@@ -21,6 +21,14 @@ from typing import Any, cast
 import msgspec
 import zmq
 
+from shoal.engine.curve import (
+    CurveKeyPair,
+    KeyRing,
+    client_index_of,
+    client_key_name,
+    curve_client,
+    peer_name,
+)
 from shoal.engine.protocol import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
@@ -147,8 +155,12 @@ class InputThread(threading.Thread):
             arguments; other calls are refused here.
         work_queue: the busy loop's input queue.
         lagging_clients: (client index, attach serial) of clients that did not take their
-            outputs in time, posted by the output thread: each is detached.
+            outputs in time, posted by the output thread, or (client index, None) of clients
+            whose key was revoked: each is detached.
         max_clients: the most clients attached at once.
+        keys: the engine's key pair, with CURVE (the ROUTER is already a CURVE server).
+        client_keys: the admitted clients' public keys, with CURVE: a HELLO is taken only
+            for the index of the key its connection proved (`shoal.engine.curve`).
     """
 
     def __init__(
@@ -158,8 +170,10 @@ class InputThread(threading.Thread):
         facts: EngineFacts,
         utility_methods: Mapping[str, int],
         work_queue: queue.SimpleQueue[InputItem],
-        lagging_clients: queue.SimpleQueue[tuple[int, int]] | None = None,
+        lagging_clients: queue.SimpleQueue[tuple[int, int | None]] | None = None,
         max_clients: int = MAX_ATTACHED_CLIENTS,
+        keys: CurveKeyPair | None = None,
+        client_keys: KeyRing | None = None,
     ) -> None:
         super().__init__(name=f"EngineCoreInput_{facts.engine_index}", daemon=True)
         self._ctx = ctx
@@ -181,6 +195,8 @@ class InputThread(threading.Thread):
         self._num_attaches = 0
         self._lagging_clients = lagging_clients
         self._max_clients = max_clients
+        self._keys = keys
+        self._client_keys = client_keys
         self._refusal_times: deque[float] = deque()
         self._warnings = LogRateLimiter(logger)
         self._poller.register(router, zmq.POLLIN)
@@ -259,7 +275,7 @@ class InputThread(threading.Thread):
         payload = frames[2:]
         connection = self._connections.get(routing_id)
         if request_type is EngineCoreRequestType.HELLO:
-            self._on_hello(routing_id, connection, payload)
+            self._on_hello(routing_id, connection, payload, frames[1])
         elif connection is None:
             self._warnings.warning(
                 "no-hello",
@@ -359,7 +375,11 @@ class InputThread(threading.Thread):
     # --- attach / detach --------------------------------------------------------------------
 
     def _on_hello(
-        self, routing_id: bytes, connection: _ClientConnection | None, payload: list[zmq.Frame]
+        self,
+        routing_id: bytes,
+        connection: _ClientConnection | None,
+        payload: list[zmq.Frame],
+        first_frame: zmq.Frame,
     ) -> None:
         try:
             hello: EngineHello = self._hello_decoder.decode(payload)
@@ -371,9 +391,32 @@ class InputThread(threading.Thread):
                 e,
             )
             return
+        server_key: bytes | None = None  # the client's public key, with CURVE
+        if self._client_keys is not None:
+            # Who the client is comes from the key its connection proved (`shoal.engine.curve`),
+            # never from what its HELLO says.
+            key_index = client_index_of(peer_name(first_frame))
+            if key_index is not None:
+                server_key = self._client_keys.key_of(client_key_name(key_index))
+            if key_index is None or server_key is None:  # revoked since its handshake
+                self._warnings.warning(
+                    "hello-unkeyed",
+                    "engine %d dropped a HELLO from a connection whose key is no client's",
+                    self._engine_index,
+                )
+                return
+            if hello.client_index != key_index:
+                self._refuse(
+                    hello,
+                    server_key,
+                    f"this connection's key is client {key_index}'s; a HELLO cannot claim "
+                    f"client_index {hello.client_index}",
+                )
+                return
         if hello.protocol_version != PROTOCOL_VERSION:
             self._refuse(
                 hello,
+                server_key,
                 f"protocol version {hello.protocol_version} is not supported; "
                 f"this engine speaks version {PROTOCOL_VERSION}",
             )
@@ -387,7 +430,9 @@ class InputThread(threading.Thread):
                 self._send(connection.client_index, self._hello_reply(hello, connection.serial))
             else:
                 self._refuse(
-                    hello, f"this connection is attached as client {connection.client_index}"
+                    hello,
+                    server_key,
+                    f"this connection is attached as client {connection.client_index}",
                 )
             return
         other = self._by_client_index.get(hello.client_index)
@@ -402,6 +447,7 @@ class InputThread(threading.Thread):
             else:
                 self._refuse(
                     hello,
+                    server_key,
                     f"client_index {hello.client_index} is already attached to another live "
                     "connection; use a distinct client_index per client",
                 )
@@ -409,11 +455,12 @@ class InputThread(threading.Thread):
         if len(self._connections) >= self._max_clients and not self._make_room():
             self._refuse(
                 hello,
+                server_key,
                 f"this engine serves {self._max_clients} clients, its maximum; "
                 "try again when one has left",
             )
             return
-        self._attach(routing_id, hello)
+        self._attach(routing_id, hello, server_key)
 
     def _make_room(self) -> bool:
         """Frees a client slot for a new HELLO by detaching the oldest client whose output
@@ -428,8 +475,12 @@ class InputThread(threading.Thread):
         self._detach(min(suspects, key=lambda c: c.serial), "a new client needed its slot")
         return True
 
-    def _attach(self, routing_id: bytes, hello: EngineHello) -> None:
+    def _attach(self, routing_id: bytes, hello: EngineHello, server_key: bytes | None) -> None:
         push = self._ctx.socket(zmq.PUSH)
+        if server_key is not None:
+            # Only the holder of the client's secret key can take these outputs.
+            assert self._keys is not None, "client keys come with the engine's own"
+            curve_client(push, self._keys, server_key)
         push.setsockopt(zmq.SNDHWM, OUTPUT_SNDHWM)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -476,7 +527,7 @@ class InputThread(threading.Thread):
             utility_output=UtilityOutput(call_id=hello.call_id, result=result),
         )
 
-    def _refuse(self, hello: EngineHello, message: str) -> None:
+    def _refuse(self, hello: EngineHello, server_key: bytes | None, message: str) -> None:
         """Answers a refused HELLO on a short-lived PUSH; the client is never attached.
 
         At most MAX_REFUSALS_PER_S are answered each second; the rest only count in the
@@ -500,6 +551,9 @@ class InputThread(threading.Thread):
             utility_output=UtilityOutput(call_id=hello.call_id, failure_message=message),
         )
         push = self._ctx.socket(zmq.PUSH)
+        if server_key is not None:
+            assert self._keys is not None, "client keys come with the engine's own"
+            curve_client(push, self._keys, server_key)
         try:
             push.connect(hello.output_address)
             push.send_multipart(self._encoder.encode(reply), zmq.NOBLOCK)
@@ -543,7 +597,11 @@ class InputThread(threading.Thread):
         while not self._lagging_clients.empty():
             client_index, serial = self._lagging_clients.get_nowait()
             connection = self._by_client_index.get(client_index)
-            if connection is not None and connection.serial == serial:  # not a newer attach
+            if connection is None:
+                continue
+            if serial is None:
+                self._detach(connection, "its key was revoked")
+            elif connection.serial == serial:  # not a newer attach
                 self._detach(connection, "it did not take its outputs in time")
 
     def _expire_connections(self) -> None:

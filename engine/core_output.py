@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from shoal.engine.core_io import close_monitored
+from shoal.engine.curve import CurveKeyPair, curve_client
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -50,15 +51,21 @@ _BACKLOG_RETRY_S = 0.02
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-def make_stats_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+def make_stats_socket(
+    ctx: zmq.Context, address: str, keys: tuple[CurveKeyPair, bytes] | None = None
+) -> zmq.Socket:
     """The PUSH an engine sends its stats reports on, connected to the coordinator.
 
     Reports are best effort and the latest wins: with no live coordinator (dead, restarting,
     paused) they are dropped — IMMEDIATE queues nothing for a connection not up, and the send
     does not block — never queued until a send blocks the output thread, and with it the
-    outputs of every client.
+    outputs of every client. With `keys` (the engine's key pair, the coordinator's public
+    key) it is a CURVE client: only the coordinator can take the reports, and it takes them
+    only from the cluster's engines.
     """
     socket = ctx.socket(zmq.PUSH)
+    if keys is not None:
+        curve_client(socket, *keys)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IMMEDIATE, 1)
     socket.setsockopt(zmq.SNDHWM, STATS_SNDHWM)
@@ -82,6 +89,7 @@ class OutputThread(threading.Thread):
         stats_address: where to push stats reports (`make_stats_socket`); None: no reports.
         lagging_clients: where to post (client index, attach serial) of a client that does
             not take its outputs in time; the input thread detaches it.
+        stats_keys: with CURVE, the engine's key pair and the coordinator's public key.
 
     No send blocks: a client's messages that its socket does not take wait in a bounded
     backlog of their own, in order, and a client whose backlog overflows or does not move for
@@ -94,13 +102,14 @@ class OutputThread(threading.Thread):
         work_queue: queue.SimpleQueue[OutputItem],
         ctx: zmq.Context,
         stats_address: str | None = None,
-        lagging_clients: queue.SimpleQueue[tuple[int, int]] | None = None,
+        lagging_clients: queue.SimpleQueue[tuple[int, int | None]] | None = None,
+        stats_keys: tuple[CurveKeyPair, bytes] | None = None,
     ) -> None:
         super().__init__(name=f"EngineCoreOutput_{engine_index}", daemon=True)
         self._engine_index = engine_index
         self._work_queue = work_queue
         self._stats_socket = (
-            None if stats_address is None else make_stats_socket(ctx, stats_address)
+            None if stats_address is None else make_stats_socket(ctx, stats_address, stats_keys)
         )
         self._stats_address = stats_address
         self._num_stats_dropped = 0

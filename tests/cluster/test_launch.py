@@ -23,6 +23,7 @@ from shoal.cluster.launch import (
 )
 from shoal.cluster.placement import RankResources, live_placement_group_names
 from shoal.engine.config import EngineConfig
+from shoal.engine.curve import CurveKeyPair
 from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
@@ -65,8 +66,14 @@ def _live_shoal_actors() -> list[str]:
     )
 
 
-def _generate(endpoint: EngineEndpoint, client_index: int, num_tokens: int = 4) -> list[int]:
-    client = SyncMPClient([endpoint], client_index=client_index)
+def _generate(
+    cluster: ClusterHandle, endpoint: EngineEndpoint, name: str, num_tokens: int = 4
+) -> list[int]:
+    """A request through a client attached as the cluster's clients are: its key handed to
+    the engines by the registry."""
+    keys = CurveKeyPair.generate()
+    client_index = ray.get(cluster.registry.attach_client.remote(name, keys.public))
+    client = SyncMPClient([endpoint], client_index=client_index, curve_keys=keys)
     try:
         assert client.call_utility("echo", "ping") == "ping"
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -79,6 +86,7 @@ def _generate(endpoint: EngineEndpoint, client_index: int, num_tokens: int = 4) 
                     return tokens
     finally:
         client.shutdown()
+        ray.get(cluster.registry.detach_client.remote(client_index))
 
 
 def test_every_rank_is_ready_with_an_endpoint_in_its_own_placement_group(
@@ -97,12 +105,8 @@ def test_every_rank_is_ready_with_an_endpoint_in_its_own_placement_group(
         entry = table[f"shoal-{cluster.namespace}-rank-{rank}"]
         assert entry["bundles"] == {0: {"CPU": 1.0}} and entry["strategy"] == "STRICT_PACK"
 
-    client_index = ray.get(cluster.registry.attach_client.remote("test"))
-    try:
-        for endpoint in membership.routable_endpoints():
-            assert len(_generate(endpoint, client_index)) == 4
-    finally:
-        ray.get(cluster.registry.detach_client.remote(client_index))
+    for endpoint in membership.routable_endpoints():
+        assert len(_generate(cluster, endpoint, "test")) == 4
 
 
 def test_status_shows_each_rank_load_from_the_coordinator(cluster: ClusterHandle) -> None:
@@ -187,11 +191,7 @@ def test_killed_engine_is_restarted_by_ray_and_serves_again(cluster: ClusterHand
     # The registry watches the new incarnation too, without mistaking its start for a death.
     time.sleep(1.0)
     assert cluster.membership().ranks[0] == new
-    client_index = ray.get(cluster.registry.attach_client.remote("after-restart"))
-    try:
-        assert len(_generate(new.endpoint, client_index)) == 4
-    finally:
-        ray.get(cluster.registry.detach_client.remote(client_index))
+    assert len(_generate(cluster, new.endpoint, "after-restart")) == 4
 
 
 def test_shutdown_leaves_no_actor_and_no_placement_group(cluster: ClusterHandle) -> None:
