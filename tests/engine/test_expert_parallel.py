@@ -235,3 +235,45 @@ def test_idle_ranks_step_dummy_batches_until_the_wave_ends_then_all_pause(
         cluster.peers[1].collect_until_finished({"next"})
         assert wait_until(lambda: all(r.current_wave == 2 for r in reports().values()), 5)
         assert reports()[0].num_dummy_steps > paused[0][0]
+
+
+def test_the_exchange_over_uneven_shares_and_an_idle_rank_equals_the_full_layer(
+    store_port: int,
+) -> None:
+    """8 experts over 3 ranks (3, 3, 2); rank 1 has no tokens but serves its experts."""
+    from shoal.engine.distributed import ProcessGroups
+    from shoal.engine.expert_parallel import ExpertParallel
+    from shoal.engine.models.mixtral import MixtralForCausalLM
+    from tests.engine.model_utils import arch_from_hf, make_hf_model
+
+    hf_model = make_hf_model("MixtralForCausalLM", num_local_experts=8)
+    arch = arch_from_hf(hf_model)
+    weights = dict(hf_model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(n, arch.hidden_size, generator=gen) for n in (5, 0, 2)]
+    full = MixtralForCausalLM(arch)
+    full.load_weights(weights.items())
+    with torch.no_grad():
+        expected = [full.get_submodule("layers.0.mlp")(x) for x in batches]
+    rendezvous = Rendezvous("127.0.0.1", store_port, group_name=uuid.uuid4().hex[:8])
+    results: dict[int, torch.Tensor] = {}
+
+    def run(rank: int) -> None:
+        ep = ExpertParallel(ExpertPlacement.contiguous(8, 3), rank)
+        model = MixtralForCausalLM(arch, expert_parallel=ep)
+        model.load_weights(weights.items())
+        groups = ProcessGroups.join(rendezvous, rank, 3, device=torch.device("cpu"), timeout_s=10)
+        ep.bind(groups)
+        ep.begin_forward(batches[rank].shape[0])
+        with torch.no_grad():
+            results[rank] = model.get_submodule("layers.0.mlp")(batches[rank])
+        groups.destroy()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [0, 1, 2]
+    for rank in range(3):
+        torch.testing.assert_close(results[rank], expected[rank], atol=1e-5, rtol=1e-5)
