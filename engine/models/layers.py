@@ -106,7 +106,8 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); without a residual, (norm(x), x)."""
         if residual is not None:
-            x = x + residual
+            # In place: the running residual is this layer's alone (the sum it returned last).
+            x = residual.add_(x)
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +190,16 @@ class RopeAngles(NamedTuple):
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate-half rotation of x [T, heads, D]; returns a new tensor."""
         return _rotate(x, self.cos, self.sin)
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """The same rotation written over x (a view, e.g. into a fused qkv), rounded the same
+        way as `rotate`; returns x."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        x2_sin, x1_sin = x2 * self.sin, x1 * self.sin
+        x1.mul_(self.cos).sub_(x2_sin)
+        x2.mul_(self.cos).add_(x1_sin)
+        return x
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

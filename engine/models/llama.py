@@ -57,8 +57,8 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: RopeAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_tokens, qk_size = x.shape[0], self.q_size + self.kv_size
-        # q and k sit side by side in qkv: one rotation covers both.
-        qk = rope.rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
+        # q and k sit side by side in qkv: one rotation, in place, covers both.
+        qk = rope.rotate_(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))

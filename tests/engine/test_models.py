@@ -157,3 +157,26 @@ def test_qwen2_rejects_a_checkpoint_without_qkv_biases() -> None:
 def test_unsupported_architecture() -> None:
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         get_model_class("GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_and_residual_in_place_equal_the_copying_forms(dtype) -> None:
+    from shoal.engine.models.layers import RMSNorm, RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 128, 10000.0, None, dtype=dtype, device=torch.device("cpu"))
+    rope = rotary(torch.tensor([0, 5, 127, 3]))
+    qkv = torch.randn(4, 5 * 64).to(dtype)  # two q heads and one k head rotated, 2 v untouched
+    expected = rope.rotate(qkv[:, :192].reshape(4, 3, 64))
+    v_before = qkv[:, 192:].clone()
+    rotated = rope.rotate_(qkv[:, :192].view(4, 3, 64))
+    assert rotated.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, :192].view(4, 3, 64), expected)
+    assert torch.equal(qkv[:, 192:], v_before)
+    norm = RMSNorm(64, 1e-5, dtype=dtype, device=torch.device("cpu"))
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(4, 64).to(dtype), torch.randn(4, 64).to(dtype)
+    want_sum = x + residual
+    want_norm = norm(want_sum.clone())[0]
+    got_norm, got_sum = norm(x, residual)
+    assert got_sum.data_ptr() == residual.data_ptr()
+    assert torch.equal(got_sum, want_sum) and torch.equal(got_norm, want_norm)
