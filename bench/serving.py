@@ -34,6 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.ray_utils import ray_env, start_ray_head, stop_ray_head  # noqa: E402
+
 VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
 VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
 VLLM_ENV = {
@@ -62,8 +66,7 @@ def make_dataset(args: argparse.Namespace) -> list[list[int]]:
     ]
 
 
-def start_shoal(port: int, log: Path) -> subprocess.Popen[bytes]:
-    sys.path.insert(0, str(ROOT))
+def start_shoal(port: int, log: Path, ray_address: str) -> subprocess.Popen[bytes]:
     from shoal.engine.loader import smollm2_gguf_path
 
     cmd = [
@@ -71,10 +74,9 @@ def start_shoal(port: int, log: Path) -> subprocess.Popen[bytes]:
         "--data-parallel-size", "2", "--namespace", f"bench-{uuid.uuid4().hex[:6]}",
         "--data-parallel-address", "127.0.0.1", "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "smollm2", "--max-model-len", str(MAX_MODEL_LEN),
-        "--dtype", "float32",
+        "--dtype", "float32", "--address", ray_address,
     ]  # fmt: skip
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    env["PYTHONPATH"] = str(ROOT)
+    env = ray_env()
     return subprocess.Popen(
         cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         start_new_session=True,
@@ -86,7 +88,6 @@ def start_vllm(port: int, log: Path, enforce_eager: bool) -> subprocess.Popen[by
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(VLLM_MODEL),
         "--served-model-name", "smollm2", "--data-parallel-size", "2", "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
-        "--disable-log-requests",
     ]  # fmt: skip
     if enforce_eager:
         cmd.append("--enforce-eager")
@@ -198,8 +199,11 @@ def summarize(elapsed: float, results: list[RequestResult]) -> dict[str, float]:
 def bench_server(name: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     port = 18000 + random.randrange(1000)
     log = Path(tempfile.mkdtemp(prefix=f"bench-{name}-")) / "server.log"
+    head = None
     if name == "shoal":
-        proc = start_shoal(port, log)
+        # A Ray head of its own on 127.0.0.1: never another user's cluster on this machine.
+        head = start_ray_head(num_cpus=2)
+        proc = start_shoal(port, log, head.gcs_address)
     else:
         proc = start_vllm(port, log, args.vllm_enforce_eager)
     try:
@@ -212,6 +216,8 @@ def bench_server(name: str, args: argparse.Namespace, prompts: list[list[int]]) 
         return summarize(elapsed, results)
     finally:
         stop(proc)
+        if head is not None:
+            stop_ray_head(head)
 
 
 def main() -> None:
