@@ -55,6 +55,11 @@ ray.io/node-type: head
 {{- index .Values.head.rayStartParams "metrics-export-port" | default "8080" }}
 {{- end }}
 
+{{/* KubeRay passes --dashboard-agent-listen-port=52365 unless rayStartParams names another. */}}
+{{- define "shoal.agentPort" -}}
+{{- index .Values.head.rayStartParams "dashboard-agent-listen-port" | default "52365" }}
+{{- end }}
+
 {{- define "shoal.gcsPort" -}}
 {{- index .Values.head.rayStartParams "port" | default "6379" }}
 {{- end }}
@@ -136,7 +141,8 @@ same meaning that `shoal serve --help` lists.
 {{/*
 The head container's script. Ray's head starts exactly as KubeRay generates it from
 rayStartParams (KUBERAY_GEN_RAY_START_CMD, with --block), `shoal serve` starts once the GCS
-answers, and the container ends when either ends, so that Kubernetes restarts both together.
+and the local raylet answer (its `--address auto` is KubeRay's RAY_ADDRESS, the local head),
+and the container ends when either ends, so that Kubernetes restarts both together.
 SIGTERM stops shoal serve first (it tears the engines down), then Ray.
 */}}
 {{- define "shoal.headScript" -}}
@@ -151,8 +157,14 @@ stop() {
   exit 0
 }
 trap stop TERM INT
-until ray health-check --address "127.0.0.1:{{ include "shoal.gcsPort" . }}" >/dev/null 2>&1; do
+# Up: the GCS answers and the local raylet is healthy (what KubeRay's own head probe checks).
+ray_is_up() {
+  ray health-check --address "127.0.0.1:{{ include "shoal.gcsPort" . }}" >/dev/null 2>&1 &&
+    python -c 'import urllib.request as r; r.urlopen("http://127.0.0.1:{{ include "shoal.agentPort" . }}/api/local_raylet_healthz", timeout=2)' >/dev/null 2>&1
+}
+while :; do
   kill -0 "$ray_pid" 2>/dev/null || { echo "ray start exited" >&2; exit 1; }
+  ray_is_up && break
   sleep 2
 done
 {{ include "shoal.serveCommand" . }} &
