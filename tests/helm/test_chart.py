@@ -199,6 +199,21 @@ def rendered_values(override: str) -> dict[str, Any]:
         return chart.merge_values(OVERRIDES[override])
 
 
+@pytest.mark.parametrize("override", sorted(OVERRIDES))
+def test_every_ray_container_starts_ray_under_overwrite_container_cmd(override: str) -> None:
+    """The annotation covers every pod of the cluster: KubeRay then generates no command for
+    any of them, so each Ray container must run KubeRay's generated `ray start` itself."""
+    rendered = render(override)
+    annotations = rendered.raycluster["metadata"]["annotations"]
+    assert annotations["ray.io/overwrite-container-cmd"] == "true"
+    for template in _pod_templates(rendered).values():
+        container = template["spec"]["containers"][0]  # KubeRay's Ray container is the first
+        assert container["command"] == ["/bin/bash", "-c", "--"]
+        (script,) = container["args"]
+        assert 'bash -c "$KUBERAY_GEN_RAY_START_CMD"' in script
+        assert script.startswith("ulimit -n 65536")
+
+
 def test_two_worker_groups_render_as_two_groups_and_a_disabled_one_not_at_all() -> None:
     groups = render("two-worker-groups").worker_groups()
     assert sorted(groups) == ["a100", "h100"]

@@ -1,7 +1,8 @@
 """The head container's script, run by bash as the head pod runs it, on this machine: with
 `KUBERAY_GEN_RAY_START_CMD` set the way KubeRay sets it (`ray start --head --block` and the
 head's rayStartParams), it starts Ray's head, then `shoal serve`; the OpenAI port turns healthy;
-SIGTERM (a pod's deletion) ends both and the script exits 0; a `ray start` that fails ends the
+a worker pod's rendered command joins it; SIGTERM (a pod's deletion) ends both and the script
+exits 0; a `ray start` that fails ends the
 script at once with an error, so that Kubernetes restarts the container.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray.util.state import list_nodes
 
 from tests.factories import make_tiny_checkpoint
 from tests.helm.rendering import render_values
@@ -54,20 +56,17 @@ def _head_values(namespace: str, gcs_port: int, http_port: int) -> dict[str, Any
     }
 
 
-def _kuberay_start_command(ray_start_params: dict[str, str], temp_dir: str) -> str:
-    """`ray start` as KubeRay generates it from rayStartParams, plus what this machine needs:
-    loopback only and ports no other Ray on the machine uses."""
+def _kuberay_start_command(head: str, ray_start_params: dict[str, str], **local: str) -> str:
+    """`ray start` as KubeRay generates it from a group's rayStartParams (`head`: "--head" or
+    "--address=..."), plus what this machine needs: loopback, ports no other Ray here uses."""
     params = {
         **ray_start_params,
         "node-ip-address": "127.0.0.1",
-        "num-cpus": "4",
         "metrics-export-port": str(free_port()),
-        "dashboard-port": str(free_port()),
-        "ray-client-server-port": str(free_port()),
-        "temp-dir": temp_dir,
+        **local,
     }
     flags = " ".join(f"--{k}={shlex.quote(v)}" for k, v in params.items())
-    return f"ray start --head {flags} --block --disable-usage-stats"
+    return f"ray start {head} {flags} --block --disable-usage-stats"
 
 
 def _script_env(start_command: str, gcs_port: int) -> dict[str, str]:
@@ -87,6 +86,17 @@ def _health(url: str) -> int | None:
         return None
 
 
+def _wait_for_nodes(dashboard_url: str, count: int, worker: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        assert worker.poll() is None, "the worker's ray start ended"
+        alive = list_nodes(address=dashboard_url, filters=[("state", "=", "ALIVE")])
+        if len(alive) == count:
+            return
+        assert time.monotonic() < deadline, f"{len(alive)} nodes alive, not {count}"
+        time.sleep(1.0)
+
+
 def test_the_head_script_serves_and_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     gcs_port, http_port = free_port(), free_port()
     rendered = render_values(_head_values(unique_namespace("head"), gcs_port, http_port))
@@ -96,8 +106,14 @@ def test_the_head_script_serves_and_ends_cleanly_on_sigterm(tmp_path: Path) -> N
     # The paths and addresses of this machine instead of a pod's.
     script = script.replace("--model /models/model", f"--model {shlex.quote(checkpoint)}")
     script = script.replace("--host 0.0.0.0", "--host 127.0.0.1")
-    temp_dir = tempfile.mkdtemp(prefix="shead-", dir="/tmp")
-    command = _kuberay_start_command(head["rayStartParams"], temp_dir)
+    dashboard_port = free_port()
+    command = _kuberay_start_command(
+        "--head", head["rayStartParams"], **{
+            "num-cpus": "4", "dashboard-port": str(dashboard_port),
+            "ray-client-server-port": str(free_port()),
+            "temp-dir": tempfile.mkdtemp(prefix="shead-", dir="/tmp"),
+        },
+    )  # fmt: skip
     log = open(tmp_path / "head.log", "w+")  # noqa: SIM115 - read after the script ends
     proc = subprocess.Popen(
         [*rendered.head_container["command"], script],
@@ -109,6 +125,23 @@ def test_the_head_script_serves_and_ends_cleanly_on_sigterm(tmp_path: Path) -> N
             assert proc.poll() is None, Path(log.name).read_text()
             assert time.monotonic() < deadline, Path(log.name).read_text()
             time.sleep(1.0)
+        # A worker pod's container joins the head with its own rendered command.
+        group = rendered.worker_groups()["gpu"]
+        (worker_container,) = group["template"]["spec"]["containers"]
+        worker_command = _kuberay_start_command(
+            f"--address=127.0.0.1:{gcs_port}", group["rayStartParams"], **{
+                "num-cpus": "1", "dashboard-agent-listen-port": str(free_port()),
+            },
+        )  # fmt: skip
+        worker = subprocess.Popen(
+            [*worker_container["command"], *worker_container["args"]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_script_env(worker_command, gcs_port), start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_for_nodes(f"http://127.0.0.1:{dashboard_port}", 2, worker)
+        finally:
+            stop_process_group(worker.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, Path(log.name).read_text()
         assert _health(f"http://127.0.0.1:{http_port}/health") is None

@@ -177,6 +177,10 @@ wait
 exit 1
 {{- end }}
 
+{{- define "shoal.workerScript" -}}
+ulimit -n 65536; exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"
+{{- end }}
+
 {{/* Shared pod-spec fields of a group: dict "root" $ "group" <values of the group>. */}}
 {{- define "shoal.podPlacement" -}}
 {{- $g := .group }}
@@ -262,6 +266,11 @@ requests:
         - name: ray-worker
           image: {{ include "shoal.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          # The cluster's ray.io/overwrite-container-cmd covers every pod: workers run exactly
+          # the `ray start` KubeRay generates for them, as KubeRay itself would.
+          command: ["/bin/bash", "-c", "--"]
+          args:
+            - {{ include "shoal.workerScript" $root | quote }}
           {{- with $g.containerEnv }}
           env:
             {{- toYaml . | nindent 12 }}
