@@ -39,13 +39,12 @@ _RETURN_POLL_S = 0.05
 class AsyncEngineSetMixin(MPClient):
     """Run-time engine-set changes of `AsyncMPClient` (see the module docstring)."""
 
-    outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception]  # set by AsyncMPClient
+    # AsyncMPClient's: its output task, which HELLO answers come back through, and its queue.
+    outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception]
+    _ensure_output_queue_task: Callable[[], None]
     # The running recheck, and whether another was asked for while it ran.
     _recheck_task: asyncio.Task[None] | None = None
     _is_recheck_due = False
-
-    def _ensure_output_queue_task(self) -> None:
-        raise NotImplementedError  # AsyncMPClient's: HELLO answers come through its task
 
     def add_engine(
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None
@@ -55,15 +54,12 @@ class AsyncEngineSetMixin(MPClient):
             raise RuntimeError("the output task is running: use `await add_engine_async(...)`")
         return super().add_engine(endpoint, process)
 
-    def remove_engine(self, engine_index: int) -> None:
-        """Detaches an engine; if its death was not reported yet, the consumer now learns it.
-
-        Requests still on that engine will get no more outputs, so an `EngineDeadError` for
-        it is queued exactly as if the engine had died.
-        """
-        was_reported = engine_index in self.resources.dead_engines
-        super().remove_engine(engine_index)
-        if not was_reported:
+    def _on_engine_removed(self, engine_index: int, was_dead: bool) -> None:
+        """If the engine's death was not reported yet, the consumer now learns it: requests
+        still on it will get no more outputs, so an `EngineDeadError` for it is queued exactly
+        as if the engine had died."""
+        super()._on_engine_removed(engine_index, was_dead)
+        if not was_dead:
             self.outputs_queue.put_nowait(
                 EngineDeadError("it was removed from this client", engine_index=engine_index)
             )
@@ -95,7 +91,7 @@ class AsyncEngineSetMixin(MPClient):
         the socket is not disconnected and connected again: libzmq refuses a routing id that a
         closing connection still holds (libzmq#1572).
 
-        Only for an engine that may come back (`resources.may_return`): one of a client whose
+        Only for an engine that may come back (`EngineSet.may_return`): one of a client whose
         engines a cluster link re-attaches, or one this client launched whose process lives
         (this client does that itself: `_on_engine_lost`). Otherwise the death of its last
         engine has ended the output task.
@@ -108,22 +104,21 @@ class AsyncEngineSetMixin(MPClient):
             ValueError: the engine is not attached, or not counted dead, or may not come back.
             EngineAttachError, EngineDeadError, TimeoutError: as for `add_engine_async`.
         """
-        endpoint = self.engines.get(engine_index)
-        if endpoint is None or engine_index not in self.resources.dead_engines:
+        engines = self.engine_set
+        endpoint = engines.endpoint(engine_index)
+        if endpoint is None or not engines.is_dead(engine_index):
             raise ValueError(f"engine {engine_index} is not an attached engine counted dead")
-        if not self.resources.may_return(engine_index):
+        if not engines.may_return(engine_index):
             raise ValueError(f"engine {engine_index} may not come back to this client")
         self._ensure_output_queue_task()
         assert self.resources.engine_monitor is not None
-        self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        self.resources.engine_monitor.watch(engine_index, is_new_attach=False)
         # The facts of the attach that ended go: until the answer brings new ones, no stats
         # report can say this client is not attached (`DPAsyncMPClient._is_detached_by`).
-        self.engine_facts.pop(engine_index, None)
+        engines.begin_reattach(engine_index)
         # Counted dead until it answers: a request meanwhile waits (`_wait_for_return`) rather
         # than go to an engine that may never take it.
-        facts = await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
-        self.resources.forget_death(engine_index)
-        return facts
+        return await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
 
     def _on_engine_lost(self, engine_index: int) -> None:
         """Called by the output task for an engine it learned is dead, but not for good.
@@ -133,7 +128,7 @@ class AsyncEngineSetMixin(MPClient):
         side task. Subclasses add what a loss means to them.
         """
         resources = self.resources
-        if resources.engines_can_return or not resources.may_return(engine_index):
+        if self.engine_set.engines_can_return or not self.engine_set.may_return(engine_index):
             return  # whoever set engines_can_return attaches them again
         task = asyncio.create_task(
             _reattach_while_alive(weakref.ref(self), engine_index), name=f"Reattach{engine_index}"
@@ -158,7 +153,7 @@ class AsyncEngineSetMixin(MPClient):
         except zmq.ZMQError:
             self._on_hello_failed(engine_index, detach_on_failure)
             raise
-        self.engine_facts[engine_index] = facts
+        self._on_attached(engine_index, facts)
         return facts
 
     async def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
@@ -220,7 +215,7 @@ class AsyncEngineSetMixin(MPClient):
         self._is_recheck_due = True
         while self._is_recheck_due:
             self._is_recheck_due = False
-            known = self._attaches_to_recheck()
+            known = self.engine_set.attached_facts()
             answers = await asyncio.gather(
                 *(self._ask_hello(endpoint, RECHECK_TIMEOUT_S) for endpoint, _ in known.values()),
                 return_exceptions=True,
@@ -250,12 +245,11 @@ class AsyncEngineSetMixin(MPClient):
         """
         if engine_index is None:
             return False
-        resources = self.resources
+        engines = self.engine_set
         is_back = await wait_for_engines(
-            lambda: engine_index not in resources.dead_engines,
-            lambda: resources.may_return(engine_index),
+            lambda: not engines.is_dead(engine_index), lambda: engines.may_return(engine_index)
         )
-        return is_back and engine_index in self.engines
+        return is_back and engine_index in engines
 
 
 async def wait_for_engines(is_ready: Callable[[], bool], may_be: Callable[[], bool]) -> bool:
@@ -284,8 +278,8 @@ async def _reattach_while_alive(
     Holds the client only weakly between tries, so a dropped client is still collected.
     """
     while (client := client_ref()) is not None:
-        resources = client.resources
-        if engine_index not in resources.dead_engines or not resources.may_return(engine_index):
+        engines = client.engine_set
+        if not engines.is_dead(engine_index) or not engines.may_return(engine_index):
             return
         try:
             await client.reattach_engine_async(engine_index, detach_on_failure=False)
@@ -293,7 +287,7 @@ async def _reattach_while_alive(
             return
         except (EngineAttachError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
             logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
-        del client, resources
+        del client, engines
         await asyncio.sleep(_REATTACH_RETRY_S)
 
 

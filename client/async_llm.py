@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from shoal.client.async_mp_client import AsyncMPClient
+from shoal.client.engine_client import EngineCoreClient
 from shoal.client.fan_out import generate_fan_out
 from shoal.client.output_processor import OutputProcessor, RequestOutputCollector
 from shoal.client.outputs import RequestOutput
@@ -97,7 +98,7 @@ class AsyncLLM:
         self,
         config: EngineConfig,
         tokenizer: Tokenizer,
-        client: AsyncMPClient,
+        client: EngineCoreClient,
         link: ClusterLink | None,
     ) -> None:
         self.config = config
@@ -133,7 +134,6 @@ class AsyncLLM:
             RequestError: the engine rejected the request (the message says why).
             EngineDeadError: the engine serving it died.
         """
-        self._check_loop()
         params = sampling_params or SamplingParams()
         external_id = request_id or uuid.uuid4().hex
         if params.n > 1:  # n engine requests, merged (`shoal.client.fan_out`)
@@ -161,6 +161,7 @@ class AsyncLLM:
         external_id: str,
         data_parallel_rank: int | None,
     ) -> AsyncGenerator[RequestOutput, None]:
+        self._check_loop()
         if self._dead_error is not None:
             raise self._dead_error
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
@@ -177,9 +178,9 @@ class AsyncLLM:
         try:
             await self.engine_core.add_request_async(request)
         except BaseException:
-            self.output_processor.request_states.pop(request.request_id, None)
+            self.output_processor.remove_request(request.request_id)
             raise
-        state.engine_index = self._engine_index_of(request.request_id)
+        state.engine_index = self.engine_core.rank_of(request.request_id)
         finished = False
         try:
             while not finished:
@@ -206,16 +207,9 @@ class AsyncLLM:
 
     async def _abort(self, engine_request_id: str) -> None:
         self.output_processor.abort_requests([engine_request_id])
-        if self._dead_error is None and not self.engine_core.resources.is_closed:
+        if self._dead_error is None and not self.engine_core.is_closed:
             with contextlib.suppress(EngineDeadError):  # nothing left to abort there
                 await self.engine_core.abort_requests_async([engine_request_id])
-
-    def _engine_index_of(self, request_id: str) -> int | None:
-        rank_of = getattr(self.engine_core, "rank_of", None)
-        if rank_of is not None:
-            rank: int | None = rank_of(request_id)
-            return rank
-        return next(iter(self.engine_core.engines), None)
 
     # --- the output handler -------------------------------------------------------------------
 
@@ -230,8 +224,9 @@ class AsyncLLM:
             RuntimeError: called on another event loop.
         """
         loop = asyncio.get_running_loop()
-        tasks = (self._output_handler, self.engine_core.resources.output_queue_task)
-        if any(task is not None and task.get_loop() is not loop for task in tasks):
+        handler = self._output_handler
+        loops = (handler.get_loop() if handler is not None else None, self.engine_core.event_loop())
+        if any(bound is not None and bound is not loop for bound in loops):
             raise RuntimeError(
                 "this AsyncLLM runs on another event loop (a second asyncio.run()?); "
                 "create the AsyncLLM inside the loop that uses it, or shut it down and make a "
@@ -251,11 +246,11 @@ class AsyncLLM:
             try:
                 outputs = await client.get_output_async()
             except EngineDeadError as dead:
-                alive = not client.resources.is_terminal(dead)
+                alive = not client.is_terminal(dead)
                 ids = (
                     processor.request_ids_on_engine(dead.engine_index)
                     if alive and dead.engine_index is not None
-                    else list(processor.request_states)
+                    else processor.request_ids()
                 )
                 processor.fail_requests(ids, dead)
                 if not alive:
@@ -277,6 +272,10 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead_error is not None
 
+    def serving_ranks(self) -> list[int]:
+        """The ranks (engine indices) that take new requests now."""
+        return [] if self.errored else self.engine_core.serving_engines()
+
     async def get_stats(self) -> SchedulerStats:
         """The serving engine's load (the first rank's, in cluster mode)."""
         self._check_loop()
@@ -295,7 +294,7 @@ class AsyncLLM:
         # From another loop (the first one has closed): its tasks are over, and detaching
         # (GOODBYE) aborts this client's requests in the engines anyway.
         on_own_loop = handler is None or handler.get_loop() is asyncio.get_running_loop()
-        pending = list(self.output_processor.request_states)
+        pending = self.output_processor.request_ids()
         if pending:
             self.output_processor.fail_requests(pending, EngineDeadError("the client shut down"))
             if on_own_loop:

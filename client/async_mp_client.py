@@ -106,7 +106,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
         super().__init__(endpoints, asyncio_mode=True, **kwargs)
-        self.resources.reattaches_launched_engines = True  # `_on_engine_lost`
+        self.engine_set.reattach_launched_engines()  # `_on_engine_lost`
         self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
         try:
             asyncio.get_running_loop()
@@ -121,6 +121,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
         if resources.output_queue_task is not None:
             return
         # Locals, not attributes of self: the task must not keep the client alive.
+        engines = self.engine_set
         decoder = self.decoder
         utility_results = self.utility_results
         utility_engines = self.utility_engines
@@ -176,7 +177,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
                         frames = await output_socket.recv_multipart(copy=False)
                         num_unyielded = 1
                     try:
-                        if not resources.validate_alive(frames):
+                        if not engines.validate_alive(frames):
                             if is_recheck_notice(frames) and (_self := _self_ref()) is not None:
                                 _self._recheck_attached()
                                 del _self
@@ -186,7 +187,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
                             utility_results, utility_engines, dead.engine_index, dead
                         )
                         outputs_queue.put_nowait(dead)
-                        if resources.is_terminal(dead):
+                        if engines.is_terminal(dead):
                             return
                         if dead.engine_index is not None and (_self := _self_ref()) is not None:
                             _self._on_engine_lost(dead.engine_index)
@@ -263,6 +264,16 @@ class AsyncMPClient(AsyncEngineSetMixin):
 
     _format_exception = staticmethod(format_exception)
 
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the output task runs on; None before it starts."""
+        task = self.resources.output_queue_task
+        return task.get_loop() if task is not None else None
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The engine serving a request: the first engine (single-engine calls go there)."""
+        indices = self.engine_set.indices()
+        return indices[0] if indices else None
+
     def _send_input(
         self,
         request_type: EngineCoreRequestType,
@@ -307,7 +318,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
     ) -> None:
         """Sends one request (to `engine`, default the first); outputs come from get_output_async.
 
-        To an engine counted dead that may come back (`resources.may_return`), it is sent once
+        To an engine counted dead that may come back (`EngineSet.may_return`), it is sent once
         the engine is attached again, if that happens within ENGINE_RETURN_WAIT_S.
 
         Raises:

@@ -12,21 +12,17 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
 
-from shoal.client.engine_monitor import RECHECK_ATTACHED, EngineMonitor
+from shoal.client.engine_monitor import EngineMonitor
+from shoal.client.engine_set import EngineIdentity, EngineSet
 from shoal.engine.core_proc import stop_engine_process
-from shoal.engine.errors import EngineDeadError
-from shoal.engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
+from shoal.engine.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
-
-EngineIdentity = bytes  # an engine's ROUTER routing id
 
 # How long close() lets GOODBYE messages drain.
 CLOSE_LINGER_MS = 1000
@@ -38,9 +34,12 @@ class BackgroundResources:
 
     It is the client's `weakref.finalize` callback, so dropping the last reference to the client
     closes the sockets, stops the output task or thread and the engine processes it launched.
+    The engine set it holds is only read here, to say GOODBYE to the live engines and to stop
+    the processes this client launched.
     """
 
     ctx: zmq.Context
+    engines: EngineSet
     input_socket: zmq.Socket | None = None
     output_socket: zmq.Socket | None = None
     engine_monitor: EngineMonitor | None = None
@@ -49,9 +48,6 @@ class BackgroundResources:
     stats_update_task: Any = None  # asyncio.Task of a DP client's stats subscription
     stats_socket: zmq.Socket | None = None  # that subscription's socket
     output_thread: threading.Thread | None = None
-    processes: dict[int, BaseProcess] = field(default_factory=dict)
-    engine_identities: dict[int, EngineIdentity] = field(default_factory=dict)
-    dead_engines: set[int] = field(default_factory=set)
     # (tracker, objects) of zero-copy sends: the tensors must outlive ZMQ's use of them.
     pending_messages: deque[tuple[zmq.MessageTracker, Any]] = field(default_factory=deque)
     # asyncio tasks the output task started (EEP notification handlers, re-attaches).
@@ -59,72 +55,6 @@ class BackgroundResources:
     ipc_path: str | None = None  # the output socket's file, removed on close
     is_output_done: bool = False  # the sync output thread ended: its last error is terminal
     is_closed: bool = False
-    # Set when something (a cluster link) re-attaches engines that died: then even the death of
-    # every engine is not terminal for the client.
-    engines_can_return: bool = False
-    # Set by a client that attaches again, for as long as its process lives, an engine it
-    # launched and lost (`AsyncMPClient`).
-    reattaches_launched_engines: bool = False
-    gone_engines: set[int] = field(default_factory=set)  # dead and told so for good
-
-    def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
-        """Checks a received message for a death notice.
-
-        Returns:
-            True for a data message; False for a RECHECK_ATTACHED notice (the asyncio client
-            acts on it; see `shoal.client.engine_monitor`), a repeated notice of a death, or one that
-            names no engine of this client (dropped).
-
-        Raises:
-            EngineDeadError: on the first notice that an engine died, and once more when an
-                engine counted dead that could come back no longer can (its process exited).
-        """
-        if len(frames) != 2 or len(frames[0]) != len(ENGINE_CORE_DEAD):
-            return True
-        kind = frames[0].bytes
-        if kind == RECHECK_ATTACHED:
-            return False
-        if kind != ENGINE_CORE_DEAD:
-            return True
-        detail = frames[1].bytes
-        engine_index = int(detail) if detail.isdigit() else None
-        if engine_index is None:  # no engine or monitor of this client sends that
-            logger.warning("dropped a malformed death notice: %r", detail)
-            return False
-        if engine_index not in self.engine_identities:
-            return False  # an engine this client removed (a stop, say) saying goodbye
-        if engine_index in self.dead_engines and (
-            engine_index in self.gone_engines or self.may_return(engine_index)
-        ):
-            return False
-        self.dead_engines.add(engine_index)
-        if not self.may_return(engine_index):
-            self.gone_engines.add(engine_index)
-        raise EngineDeadError(
-            "it sent ENGINE_CORE_DEAD, disappeared, or let this client go",
-            engine_index=engine_index,
-        )
-
-    def forget_death(self, engine_index: int) -> None:
-        """The engine index is attached afresh (or removed): what was known of its death goes."""
-        self.dead_engines.discard(engine_index)
-        self.gone_engines.discard(engine_index)
-
-    def may_return(self, engine_index: int) -> bool:
-        """Whether an engine counted dead may be attached again."""
-        if self.engines_can_return:
-            return True
-        process = self.processes.get(engine_index)
-        return self.reattaches_launched_engines and process is not None and process.exitcode is None
-
-    def is_terminal(self, dead: EngineDeadError) -> bool:
-        """Whether this death ends the client's output stream for good: every engine is dead
-        and none may come back."""
-        if dead.engine_index is None:
-            return True
-        return all(
-            i in self.dead_engines and not self.may_return(i) for i in self.engine_identities
-        )
 
     def remove_output_reader(self) -> None:
         """Unregisters the output task's FD reader (idempotent); before the socket closes.
@@ -168,9 +98,9 @@ class BackgroundResources:
             threads.append(self.output_thread)
         if self.input_socket is not None:
             router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
-            for index, identity in self.engine_identities.items():
-                if index not in self.dead_engines:
-                    send_goodbye(router, identity)
+            for index, endpoint in self.engines.endpoints().items():
+                if not self.engines.is_dead(index):
+                    send_goodbye(router, endpoint.identity)
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
@@ -181,9 +111,8 @@ class BackgroundResources:
         if self.ipc_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.ipc_path)
-        for process in self.processes.values():
+        for process in self.engines.processes():
             stop_engine_process(process)
-        self.processes.clear()
         if any(t.is_alive() and t is not threading.current_thread() for t in threads):
             logger.warning("client background threads did not stop; leaving the ZMQ context open")
             return

@@ -21,6 +21,7 @@ import ray
 
 from shoal.actors.membership import Membership
 from shoal.client.dp_client import DPLBAsyncMPClient
+from shoal.client.engine_client import EngineSetClient
 from shoal.client.lb_policy import POLICIES
 from shoal.client.mp_client import EngineAttachError
 from shoal.cluster.launch import (
@@ -51,7 +52,7 @@ class ClusterLink:
     def __init__(
         self,
         cluster: ClusterHandle,
-        client: DPLBAsyncMPClient,
+        client: EngineSetClient,
         membership: Membership,
         client_index: int,
         name: str,
@@ -67,7 +68,7 @@ class ClusterLink:
         # Set when the client loses a rank: the watch reports it without waiting for its poll.
         self._engine_lost = asyncio.Event()
         lost = self._engine_lost  # the client holds the event, not this link
-        client.on_engine_lost = lambda _rank: lost.set()
+        client.add_engine_lost_listener(lambda _rank: lost.set())
         self._task = asyncio.create_task(self._watch(), name="ClusterMembershipWatch")
 
     @classmethod
@@ -126,7 +127,7 @@ class ClusterLink:
             await handle.registry.detach_client.remote(client_index)
             raise
         # Ranks that die come back (Ray restarts them) and are attached again by the watch.
-        client.resources.engines_can_return = True
+        client.set_engines_can_return(True)
         link = cls(handle, client, membership, client_index, client_name)
         # Every rank that answers is attached before the driver sends anything; one that does
         # not is reported (the registry restarts it if it hangs) and attached when it is back.
@@ -146,7 +147,7 @@ class ClusterLink:
         Raises:
             TimeoutError: none did by `deadline` (`time.monotonic()`).
         """
-        while not self.client.routable_ranks():
+        while not self.client.lb_engines:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"no rank of the cluster in namespace {self.cluster.namespace!r} serves yet"
@@ -243,7 +244,7 @@ class ClusterLink:
             logger.info("the cluster in namespace %r was stopped", namespace)
         else:
             logger.warning("the cluster registry is gone; no more updates")
-        self.client.resources.engines_can_return = False
+        self.client.set_engines_can_return(False)
         return False
 
     async def _turn(self, membership: Membership) -> int:
@@ -258,9 +259,7 @@ class ClusterLink:
         self.membership = membership
         # A cluster that is stopping, or has no ranks left, has none to bring back: requests
         # fail at once instead of waiting for one.
-        self.client.resources.engines_can_return = bool(membership.ranks) and not (
-            membership.stopping
-        )
+        self.client.set_engines_can_return(bool(membership.ranks) and not membership.stopping)
         publish_address = membership.stats_publish_address
         if publish_address is not None and publish_address != self.client.stats_address:
             logger.info("the coordinator moved; subscribing at %s", publish_address)
@@ -278,7 +277,7 @@ class ClusterLink:
         `reattach` ranks (lost on this client's side only). Returns the tasks it started.
         """
         wanted = {e.engine_index: e for e in membership.routable_endpoints()}
-        for rank, endpoint in list(self.client.engines.items()):
+        for rank, endpoint in self.client.endpoints().items():
             current = wanted.get(rank)
             if current is None or current.identity != endpoint.identity:
                 logger.info("rank %d left or restarted; detaching", rank)
@@ -288,9 +287,10 @@ class ClusterLink:
             hello: Awaitable[EngineFacts]
             if rank in self._attaching:
                 continue
-            if rank not in self.client.engines:
+            known = self.client.endpoints()
+            if rank not in known:
                 hello = self.client.add_engine_async(endpoint)
-            elif rank in reattach and rank in self.client.resources.dead_engines:
+            elif rank in reattach and rank in self.client.dead_ranks():
                 hello = self.client.reattach_engine_async(rank)
             else:
                 continue
@@ -325,8 +325,9 @@ class ClusterLink:
             Whether it reported any, and the ranks the registry kept.
         """
         reported, kept = False, list[int]()
-        for rank in list(self.client.resources.dead_engines):
-            endpoint = self.client.engines.get(rank)
+        endpoints = self.client.endpoints()
+        for rank in self.client.dead_ranks():
+            endpoint = endpoints.get(rank)
             if endpoint is None or endpoint.identity in self._reported_dead:
                 continue
             reported = True

@@ -1,10 +1,11 @@
 """Data-parallel clients: `DPAsyncMPClient` (many ranks + stats) and `DPLBAsyncMPClient` (routing).
 
-`DPAsyncMPClient` subscribes to the coordinator's stats (`_ensure_stats_update_task`) and keeps
-`lb_engines`, the ranks that may take new requests. `DPLBAsyncMPClient` sends each request to the
-rank its `LoadBalancePolicy` picks, remembers request → rank so aborts reach the owner, and
-feeds the policy from the outputs it sees (`process_engine_outputs`). Neither knows Ray: the
-cluster link tells them when ranks come and go.
+`DPAsyncMPClient` subscribes to the coordinator's stats (`_ensure_stats_update_task`) and
+answers `lb_engines`, the ranks that may take new requests, from its engine set.
+`DPLBAsyncMPClient` sends each request to the rank its `LoadBalancePolicy` picks, keeps
+request → rank and each rank's load in its `RequestRouter` (so aborts reach the owner whatever
+the policy), and feeds it from the outputs it sees (`process_engine_outputs`). Neither knows
+Ray: the cluster link tells them when ranks come and go.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -24,13 +23,13 @@ import zmq.asyncio
 from shoal.client.async_engine_set import wait_for_engines
 from shoal.client.async_mp_client import AsyncMPClient
 from shoal.client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
+from shoal.client.routing import RequestRouter
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     DPStatsSnapshot,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineEndpoint,
-    EngineFacts,
     EngineStatsReport,
     SchedulerStats,
 )
@@ -40,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 class DPAsyncMPClient(AsyncMPClient):
     """An `AsyncMPClient` over several engine ranks, with the coordinator's stats stream.
+
+    `lb_engines` is, as in vLLM, what the load balancer works over; here it is the list of
+    rank indices that may take new requests (attached, HELLO answered, not counted dead),
+    derived from the engine set on every read, never kept apart from it. `current_wave` is
+    the coordinator's DP wave counter as last published.
 
     Args:
         endpoints: the ranks to attach to now.
@@ -59,22 +63,26 @@ class DPAsyncMPClient(AsyncMPClient):
         self.current_wave = 0
         self.stats_address = stats_address
         self.stats_server_key = stats_server_key
-        # Elastic-EP events seen on EEP_NOTIFICATION_CALL_ID, latest last.
-        self.eep_scaling_cache: list[Sequence[Any]] = []
-        # Called with a rank's index when this client learns it lost that rank (a cluster
-        # link reports it at once).
-        self.on_engine_lost: Callable[[int], None] | None = None
+        self._engine_lost_listeners: list[Callable[[int], None]] = []
         # Each attached rank's load as the coordinator last published it (`latest_stats`).
         self._latest_stats: dict[int, SchedulerStats] = {}
         super().__init__(endpoints, **kwargs)
-        # Ranks that may take new requests: attached and not known dead.
-        self.lb_engines: list[int] = sorted(self.engines)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass  # started lazily, with the output task
         else:
             self._ensure_stats_update_task()
+
+    @property
+    def lb_engines(self) -> list[int]:
+        """The ranks that may take new requests now, sorted (see the class docstring)."""
+        return self.engine_set.routable()
+
+    def add_engine_lost_listener(self, listener: Callable[[int], None]) -> None:
+        """Calls `listener(rank)` whenever this client learns it lost a rank (a cluster link
+        reports it to the registry at once)."""
+        self._engine_lost_listeners.append(listener)
 
     def _ensure_stats_update_task(self) -> None:
         """Starts the stats subscription once; the task holds the client only weakly."""
@@ -130,7 +138,7 @@ class DPAsyncMPClient(AsyncMPClient):
         self.current_wave = snapshot.current_wave
         for report in snapshot.reports:
             rank = report.engine_index
-            endpoint = self.engines.get(rank)
+            endpoint = self.engine_set.endpoint(rank)
             if endpoint is None or report.identity != endpoint.identity:
                 continue  # a rank not attached here, or the last word of a dead incarnation
             if self._is_detached_by(report):
@@ -142,7 +150,7 @@ class DPAsyncMPClient(AsyncMPClient):
 
     def latest_stats(self) -> dict[int, SchedulerStats]:
         """The latest published load of each rank this client is attached to, by rank."""
-        return {r: s for r, s in self._latest_stats.items() if r in self.engines}
+        return {r: s for r, s in self._latest_stats.items() if r in self.engine_set}
 
     def _is_detached_by(self, report: EngineStatsReport) -> bool:
         """Whether a report of an engine this client is attached to says it is not (anymore).
@@ -150,12 +158,12 @@ class DPAsyncMPClient(AsyncMPClient):
         Only a report that reflects this client's attach counts: one measured before it would
         not list the client yet.
         """
-        facts = self.engine_facts.get(report.engine_index)
+        facts = self.engine_set.facts(report.engine_index)
         return (
             facts is not None
             and 0 < facts.attach_serial <= report.attaches_seen
             and self.client_index not in report.attached_clients
-            and report.engine_index not in self.resources.dead_engines
+            and not self.engine_set.is_dead(report.engine_index)
         )
 
     def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
@@ -163,43 +171,24 @@ class DPAsyncMPClient(AsyncMPClient):
         `requests_seen` of this client's requests."""
 
     def _on_engine_lost(self, engine_index: int) -> None:
-        self._stop_routing_to(engine_index)
-        if self.on_engine_lost is not None:
-            self.on_engine_lost(engine_index)
+        self._on_rank_unroutable(engine_index)
+        for listener in self._engine_lost_listeners:
+            listener(engine_index)
         super()._on_engine_lost(engine_index)
 
-    async def add_engine_async(
-        self, endpoint: EngineEndpoint, process: BaseProcess | None = None
-    ) -> EngineFacts:
-        facts = await super().add_engine_async(endpoint, process)
-        self._start_routing_to(endpoint.engine_index)
-        return facts
+    def _on_engine_removed(self, engine_index: int, was_dead: bool) -> None:
+        self._on_rank_unroutable(engine_index)
+        super()._on_engine_removed(engine_index, was_dead)
 
-    async def reattach_engine_async(
-        self, engine_index: int, *, detach_on_failure: bool = True
-    ) -> EngineFacts:
-        facts = await super().reattach_engine_async(
-            engine_index, detach_on_failure=detach_on_failure
-        )
-        self._start_routing_to(engine_index)
-        return facts
-
-    def _start_routing_to(self, engine_index: int) -> None:
-        if engine_index not in self.lb_engines:
-            self.lb_engines = sorted([*self.lb_engines, engine_index])
-
-    def remove_engine(self, engine_index: int) -> None:
-        self._stop_routing_to(engine_index)
-        super().remove_engine(engine_index)
-
-    def _stop_routing_to(self, engine_index: int) -> None:
-        """Takes a rank out of `lb_engines` (it died, leaves, or was removed)."""
-        self.lb_engines = [r for r in self.lb_engines if r != engine_index]
+    def _on_rank_unroutable(self, engine_index: int) -> None:
+        """Hook: a rank died or was removed; it left `lb_engines`."""
+        self._latest_stats.pop(engine_index, None)
 
     async def eep_process_engine_core_notification(self, notification: Sequence[Any]) -> None:
-        """Records an elastic-EP event `(kind, payload)` sent by an engine."""
-        logger.info("elastic EP notification: %s", notification)
-        self.eep_scaling_cache.append(notification)
+        """Handles an elastic-EP notification `(kind, payload)` sent on
+        `EEP_NOTIFICATION_CALL_ID`. No engine of this version sends one (ranks are added and
+        removed through the registry), so one that arrives is logged and dropped."""
+        logger.warning("dropped an elastic-EP notification no engine should send: %s", notification)
 
 
 class DPLBAsyncMPClient(DPAsyncMPClient):
@@ -218,6 +207,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         **kwargs: Any,
     ) -> None:
         self.policy = policy or LeastLoadedPolicy()
+        self.router = RequestRouter()
         super().__init__(endpoints, **kwargs)
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
@@ -234,25 +224,21 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                     f"data_parallel_rank {pinned} is not serving (serving: {self.lb_engines})"
                 )
             return pinned
-        routable = self.routable_ranks()
+        routable = self.lb_engines
         if not routable:
             raise EngineDeadError("no engine rank is serving")
-        return self.policy.choose(routable)
+        return self.policy.choose(routable, self.router.loads)
 
     async def _wait_for_a_rank(self) -> bool:
         """Waits (`wait_for_engines`) for a routable rank, if ranks may come back."""
-        resources = self.resources
+        engines = self.engine_set
         return await wait_for_engines(
-            lambda: bool(self.routable_ranks()), lambda: resources.engines_can_return
+            lambda: bool(engines.routable()), lambda: engines.engines_can_return
         )
-
-    def routable_ranks(self) -> list[int]:
-        """The ranks a new request may go to now: in `lb_engines` and not lost."""
-        return [r for r in self.lb_engines if r not in self.resources.dead_engines]
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank serving an in-flight request of this client."""
-        return self.policy.rank_of(request_id)
+        return self.router.rank_of(request_id)
 
     async def add_request_async(
         self, request: EngineCoreRequest, engine: bytes | None = None
@@ -267,42 +253,43 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         # The DP wave last published: lets an expert-parallel rank tell a request that raced
         # the end of a wave.
         request.current_wave = self.current_wave
-        self.policy.on_sent(request.request_id, rank, len(request.prompt_token_ids))
+        endpoint = self.engine_set.endpoint(rank)
+        assert endpoint is not None, "a routable rank is in the engine set"
+        self.router.on_sent(request.request_id, rank, len(request.prompt_token_ids))
+        self.policy.on_sent(rank)
         try:
-            await super().add_request_async(request, self.engines[rank].identity)
+            await super().add_request_async(request, endpoint.identity)
         except BaseException:
-            self.policy.on_aborted([request.request_id])
+            self.router.on_aborted([request.request_id])
             raise
 
     async def abort_requests_async(
         self, request_ids: list[str], engine: bytes | None = None
     ) -> None:
         """Sends each abort to the rank that owns the request."""
-        by_rank: dict[int, list[str]] = defaultdict(list)
-        for request_id in request_ids:
-            rank = self.policy.rank_of(request_id)
-            if rank is not None:
-                by_rank[rank].append(request_id)
-        self.policy.on_aborted(request_ids)
-        for rank, ids in by_rank.items():
-            if rank in self.engines and rank not in self.resources.dead_engines:
-                await super().abort_requests_async(ids, self.engines[rank].identity)
+        for rank, ids in self.router.on_aborted(request_ids).items():
+            endpoint = self.engine_set.endpoint(rank)
+            if endpoint is not None and not self.engine_set.is_dead(rank):
+                await super().abort_requests_async(ids, endpoint.identity)
 
     async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
-        """Keeps the in-flight map and the policy's view of the sending rank current."""
+        """Keeps the in-flight map and the view of the sending rank's load current."""
+        router = self.router
         for output in outputs.outputs:
-            self.policy.on_output(output.request_id, output.finished)
+            router.on_output(output.request_id, output.finished)
         if outputs.scheduler_stats is not None:
-            self.policy.on_stats(
+            self._on_rank_stats(
                 outputs.engine_index, outputs.scheduler_stats, outputs.requests_seen
             )
 
     def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
-        self.policy.on_stats(rank, stats, requests_seen)
+        if rank in self.engine_set:
+            self.router.load(rank).update_stats(stats, requests_seen)
+            self.policy.on_stats(rank)
 
-    def _stop_routing_to(self, engine_index: int) -> None:
-        super()._stop_routing_to(engine_index)
-        self.policy.forget_rank(engine_index)
+    def _on_rank_unroutable(self, engine_index: int) -> None:
+        super()._on_rank_unroutable(engine_index)
+        self.router.forget_rank(engine_index)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Calls a utility method on every serving rank; returns the first rank's result."""
@@ -315,13 +302,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         Raises:
             EngineDeadError: no rank is serving.
         """
-        ranks = self.routable_ranks()
+        endpoints = self.engine_set.endpoints()
+        ranks = self.lb_engines
         if not ranks:
             raise EngineDeadError("no engine rank is serving")
         results = await asyncio.gather(
-            *(
-                self._call_utility_async(method, *args, engine=self.engines[r].identity)
-                for r in ranks
-            )
+            *(self._call_utility_async(method, *args, engine=endpoints[r].identity) for r in ranks)
         )
         return dict(zip(ranks, results, strict=True))

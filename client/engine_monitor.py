@@ -24,10 +24,14 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import zmq
 
 from shoal.engine.protocol import ENGINE_CORE_DEAD
+
+if TYPE_CHECKING:
+    from shoal.client.engine_set import EngineSet
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +53,13 @@ _POLL_MS = 100
 class EngineMonitor(threading.Thread):
     """Watches engine processes and the client's sockets' connections; holds no client reference.
 
+    Which engines there are, their addresses and processes, it reads from the client's
+    `EngineSet`; what it keeps itself is only what it detects: connections that are down and
+    since when, and the deaths it has already reported.
+
     Args:
         ctx: a synchronous context (a shadow of the client's, in asyncio mode).
+        engines: the client's engine set.
         router_monitor_address: the inproc address the input ROUTER publishes its events on
             (HANDSHAKE_SUCCEEDED and DISCONNECTED).
         output_monitor_address: the same for the output PULL (DISCONNECTED).
@@ -60,28 +69,29 @@ class EngineMonitor(threading.Thread):
     def __init__(
         self,
         ctx: zmq.Context,
+        engines: EngineSet,
         router_monitor_address: str,
         output_monitor_address: str,
         notify_address: str,
     ) -> None:
         super().__init__(name="EngineMonitor", daemon=True)
         self._ctx = ctx
+        self._engines = engines
         self._router_monitor_address = router_monitor_address
         self._output_monitor_address = output_monitor_address
         self._notify_address = notify_address
         self._lock = threading.Lock()
-        self._index_by_address: dict[str, int] = {}
-        self._processes: dict[int, BaseProcess] = {}
-        self._deadlines: dict[int, float] = {}
-        self._reported: set[int] = set()
+        self._deadlines: dict[int, float] = {}  # engine → when its down connection counts lost
+        self._reported: set[int] = set()  # losses reported (until the engine is watched again)
+        self._exits_reported: set[int] = set()  # process exits reported (once per process)
         self._stop_event = threading.Event()
 
-    def watch(self, engine_index: int, input_address: str, process: BaseProcess | None) -> None:
-        """Starts watching an engine (again, if the index was used before); thread-safe."""
+    def watch(self, engine_index: int, *, is_new_attach: bool) -> None:
+        """Starts watching an engine of the set again: a new attach (maybe of a new process
+        under a reused index), or an engine counted dead asked HELLO again; thread-safe."""
         with self._lock:
-            self._index_by_address[input_address] = engine_index
-            if process is not None:
-                self._processes[engine_index] = process
+            if is_new_attach:
+                self._exits_reported.discard(engine_index)
             self._reported.discard(engine_index)
             self._deadlines.pop(engine_index, None)
 
@@ -101,12 +111,9 @@ class EngineMonitor(threading.Thread):
     def forget(self, engine_index: int) -> None:
         """Stops watching an engine that is being removed on purpose; thread-safe."""
         with self._lock:
-            for address, index in list(self._index_by_address.items()):
-                if index == engine_index:
-                    del self._index_by_address[address]
-            self._processes.pop(engine_index, None)
             self._deadlines.pop(engine_index, None)
             self._reported.add(engine_index)
+            self._exits_reported.add(engine_index)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -124,9 +131,7 @@ class EngineMonitor(threading.Thread):
                 poller = zmq.Poller()  # rebuilt each turn: engines come and go
                 poller.register(router_events, zmq.POLLIN)
                 poller.register(output_events, zmq.POLLIN)
-                with self._lock:
-                    sentinels = [p.sentinel for p in self._processes.values()]
-                for sentinel in sentinels:
+                for sentinel in [p.sentinel for _, p in self._unreported_processes()]:
                     poller.register(sentinel, zmq.POLLIN)  # readable once the process exits
                 ready = {socket for socket, _ in poller.poll(_POLL_MS)}
                 is_recheck_due = router_events in ready and self._on_router_events(router_events)
@@ -148,10 +153,10 @@ class EngineMonitor(threading.Thread):
         """Returns whether an input connection came back within its grace period."""
         has_reconnected = False
         for event, endpoint in _drain_events(events):
+            engine_index = self._engines.index_of_address(endpoint.decode())
+            if engine_index is None:
+                continue
             with self._lock:
-                engine_index = self._index_by_address.get(endpoint.decode())
-                if engine_index is None:
-                    continue
                 if event == zmq.EVENT_DISCONNECTED:
                     deadline = time.monotonic() + ENGINE_DISCONNECT_GRACE_S
                     self._deadlines.setdefault(engine_index, deadline)
@@ -161,16 +166,23 @@ class EngineMonitor(threading.Thread):
 
     def _find_dead(self) -> list[int]:
         now = time.monotonic()
+        processes = self._unreported_processes()
         with self._lock:
             lost = {i for i, deadline in self._deadlines.items() if deadline <= now}
-            exited = {i for i, p in self._processes.items() if p.exitcode is not None}
+            exited = {i for i, p in processes if p.exitcode is not None}
             for engine_index in lost:
                 del self._deadlines[engine_index]
-            for engine_index in exited:
-                del self._processes[engine_index]  # reported once, even after a loss
+            self._exits_reported |= exited  # reported once, even after a loss
             dead = (lost - self._reported) | exited
             self._reported |= dead
         return sorted(dead)
+
+    def _unreported_processes(self) -> list[tuple[int, BaseProcess]]:
+        """The set's launched processes whose exit is not reported yet."""
+        indices = self._engines.indices()
+        with self._lock:
+            watched = [i for i in indices if i not in self._exits_reported]
+        return [(i, p) for i in watched if (p := self._engines.process(i)) is not None]
 
 
 def _drain_events(events: zmq.Socket) -> list[tuple[int, bytes]]:

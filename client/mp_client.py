@@ -21,13 +21,9 @@ from typing import Any, Literal, TypeVar
 import zmq
 import zmq.asyncio
 
-from shoal.client.background_resources import (
-    CLOSE_LINGER_MS,
-    BackgroundResources,
-    EngineIdentity,
-    send_goodbye,
-)
+from shoal.client.background_resources import CLOSE_LINGER_MS, BackgroundResources, send_goodbye
 from shoal.client.engine_monitor import EngineMonitor
+from shoal.client.engine_set import EngineIdentity, EngineSet
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import start_engine_process, stop_engine_process
 from shoal.engine.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
@@ -77,12 +73,14 @@ class EngineAttachError(RuntimeError):
 class MPClient:
     """Base of the seed's client family: sockets, HELLO handshake, engine set, engine monitor.
 
-    An engine is attached (HELLO answered with its facts; `engines`, `engine_facts`), then
-    either removed on purpose (`remove_engine`: GOODBYE, its pending calls fail) or dead:
-    it sent ENGINE_CORE_DEAD, its process exited, or its input connection stayed down for a
-    second — the monitor then pushes ENGINE_CORE_DEAD into this client's own output socket, so
-    the output consumer learns of every death the same way. A dead engine's index stays in
-    `resources.dead_engines` until it is removed or attached again; sends to it fail at once.
+    Which engines the client has, and what it knows of each, is its `engine_set`
+    (`shoal.client.engine_set`, which documents the states). An engine is attached (HELLO
+    answered with its facts), then either removed on purpose (`remove_engine`: GOODBYE, its
+    pending calls fail) or dead: it sent ENGINE_CORE_DEAD, its process exited, or its input
+    connection stayed down for a second — the monitor then pushes ENGINE_CORE_DEAD into this
+    client's own output socket, so the output consumer learns of every death the same way. A
+    dead engine stays in the set, counted dead, until it is removed or attached again; sends
+    to it fail at once.
 
     Args:
         endpoints: the engines to attach to now (more can be added later).
@@ -115,7 +113,8 @@ class MPClient:
     ) -> None:
         sync_ctx = zmq.Context()
         self.ctx: zmq.Context = zmq.asyncio.Context.shadow(sync_ctx) if asyncio_mode else sync_ctx
-        self.resources = BackgroundResources(ctx=sync_ctx)
+        self.engine_set = EngineSet()
+        self.resources = BackgroundResources(ctx=sync_ctx, engines=self.engine_set)
         self._finalizer = weakref.finalize(self, self.resources)
         self.client_index = client_index
         self.encoder = MsgpackEncoder()
@@ -123,9 +122,6 @@ class MPClient:
         # call_id -> future of a pending utility call, and the engine it went to.
         self.utility_results: dict[int, AnyFuture] = {}
         self.utility_engines: dict[int, int] = {}
-        self.engines: dict[int, EngineEndpoint] = {}
-        self.engine_facts: dict[int, EngineFacts] = {}
-        self._engine_index_of: dict[EngineIdentity, int] = {}
         # Identities whose connection this client closed lately, and when.
         self._disconnected_at: dict[EngineIdentity, float] = {}
         self._hello_timeout_s = hello_timeout_s
@@ -147,7 +143,9 @@ class MPClient:
             )
             output_monitor = f"inproc://client-output-monitor-{uuid.uuid4().hex}"
             self.output_socket.monitor(output_monitor, zmq.EVENT_DISCONNECTED)
-            monitor = EngineMonitor(sync_ctx, router_monitor, output_monitor, notify_address)
+            monitor = EngineMonitor(
+                sync_ctx, self.engine_set, router_monitor, output_monitor, notify_address
+            )
             self.resources.engine_monitor = monitor
             monitor.start()
             processes = processes or {}
@@ -197,9 +195,33 @@ class MPClient:
     @property
     def core_engine(self) -> EngineIdentity:
         """The identity of the first attached engine: where single-engine calls go."""
-        for endpoint in self.engines.values():
+        for endpoint in self.engine_set.endpoints().values():
             return endpoint.identity
         raise EngineDeadError("no engine is attached")
+
+    @property
+    def is_closed(self) -> bool:
+        return self.resources.is_closed
+
+    def is_terminal(self, dead: EngineDeadError) -> bool:
+        """Whether a death ends this client's outputs for good (`EngineSet.is_terminal`)."""
+        return self.engine_set.is_terminal(dead)
+
+    def endpoints(self) -> dict[int, EngineEndpoint]:
+        """The engines this client has (attached, attaching, or counted dead), by index."""
+        return self.engine_set.endpoints()
+
+    def serving_engines(self) -> list[int]:
+        """The engines that take new requests now: attached and not counted dead."""
+        return self.engine_set.routable()
+
+    def dead_ranks(self) -> list[int]:
+        """The engines this client counts dead."""
+        return self.engine_set.dead()
+
+    def set_engines_can_return(self, can_return: bool) -> None:
+        """Whether engines counted dead may be attached again by someone (a cluster link)."""
+        self.engine_set.set_engines_can_return(can_return)
 
     def shutdown(self) -> None:
         """GOODBYE to every engine, closes sockets, stops engine processes it launched."""
@@ -251,7 +273,9 @@ class MPClient:
             EngineAttachError, EngineDeadError, TimeoutError: as at construction.
         """
         self._attach_blocking([(endpoint, process)])
-        return self.engine_facts[endpoint.engine_index]
+        facts = self.engine_set.facts(endpoint.engine_index)
+        assert facts is not None, "an answered HELLO records the engine's facts"
+        return facts
 
     def remove_engine(self, engine_index: int) -> None:
         """Detaches an engine on purpose: GOODBYE, disconnect, its pending calls fail.
@@ -259,12 +283,10 @@ class MPClient:
         Raises:
             ValueError: no engine with this index is attached.
         """
-        endpoint = self.engines.pop(engine_index, None)
-        if endpoint is None:
-            raise ValueError(f"engine {engine_index} is not attached")
+        endpoint, process, was_dead = self.engine_set.remove(engine_index)
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.forget(engine_index)
-        if engine_index not in self.resources.dead_engines:
+        if not was_dead:
             send_goodbye(zmq.Socket.shadow(self.input_socket.underlying), endpoint.identity)
         self.input_socket.disconnect(endpoint.input_address)
         now = time.monotonic()
@@ -274,15 +296,14 @@ class MPClient:
             if at > now - SAME_IDENTITY_RECONNECT_S
         }
         self._disconnected_at[endpoint.identity] = now
-        self._engine_index_of.pop(endpoint.identity, None)
-        self.resources.engine_identities.pop(engine_index, None)
-        self.resources.forget_death(engine_index)
-        self.engine_facts.pop(engine_index, None)
         error = EngineDeadError("it was removed from this client", engine_index=engine_index)
         fail_utility_calls(self.utility_results, self.utility_engines, engine_index, error)
-        process = self.resources.processes.pop(engine_index, None)
         if process is not None:
             stop_engine_process(process)
+        self._on_engine_removed(engine_index, was_dead)
+
+    def _on_engine_removed(self, engine_index: int, was_dead: bool) -> None:
+        """Hook: an engine left the set on purpose (`was_dead`: its death was known)."""
 
     def _reconnect_wait_s(self, identity: EngineIdentity) -> float:
         """How long to wait before connecting to `identity` (see SAME_IDENTITY_RECONNECT_S)."""
@@ -294,21 +315,16 @@ class MPClient:
         refusal = attach_refusal(index, endpoint.public_key, self._curve is not None)
         if refusal is not None:
             raise EngineAttachError(refusal)
-        if index in self.engines:
+        if index in self.engine_set:
             raise ValueError(f"engine {index} is already attached; remove it first")
         time.sleep(self._reconnect_wait_s(endpoint.identity))  # async callers waited already
+        self.engine_set.attach(endpoint, process)
         assert self.resources.engine_monitor is not None
-        self.resources.engine_monitor.watch(index, endpoint.input_address, process)
+        self.resources.engine_monitor.watch(index, is_new_attach=True)
         if self._curve is not None:
             self._curve.admit_engine(self.input_socket, index, endpoint.public_key)
         self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)
         self.input_socket.connect(endpoint.input_address)
-        self.engines[index] = endpoint
-        self._engine_index_of[endpoint.identity] = index
-        self.resources.engine_identities[index] = endpoint.identity
-        self.resources.forget_death(index)
-        if process is not None:
-            self.resources.processes[index] = process
 
     def _hello_message(self) -> tuple[int, tuple[bytes | memoryview, ...]]:
         call_id = uuid.uuid1().int >> 64
@@ -324,8 +340,14 @@ class MPClient:
         facts = output.result.result if output.result is not None else None
         if not isinstance(facts, EngineFacts):
             raise EngineAttachError(f"engine {endpoint.engine_index} sent no facts at HELLO")
-        self.engine_facts[endpoint.engine_index] = facts
+        self._on_attached(endpoint.engine_index, facts)
         return facts
+
+    def _on_attached(self, engine_index: int, facts: EngineFacts) -> None:
+        """An engine answered HELLO (a first attach, or again after it was counted dead):
+        it is attached and routable. Subclasses hook what that means to them."""
+        self.engine_set.set_facts(engine_index, facts)
+        self.engine_set.mark_alive(engine_index)
 
     def _attach_blocking(
         self, engines: Sequence[tuple[EngineEndpoint, BaseProcess | None]]
@@ -362,7 +384,7 @@ class MPClient:
             if not pull.poll(max(1, int((min(deadline, resend_at) - now) * 1000))):
                 continue
             frames = pull.recv_multipart(copy=False)
-            if not self.resources.validate_alive(frames):
+            if not self.engine_set.validate_alive(frames):
                 continue
             outputs = self.decoder.decode(frames)
             utility = outputs.utility_output if outputs is not None else None
@@ -371,21 +393,12 @@ class MPClient:
                 continue
             self._on_hello_reply(waiting.pop(utility.call_id)[0], utility)
 
-    def _attaches_to_recheck(self) -> dict[int, tuple[EngineEndpoint, EngineFacts]]:
-        """The live attached engines, each with the facts of this client's attach there: what
-        a recheck (RECHECK_ATTACHED) asks again and compares the attach serial against."""
-        return {
-            index: (self.engines[index], facts)
-            for index, facts in self.engine_facts.items()
-            if index in self.engines and index not in self.resources.dead_engines
-        }
-
     def _check_engine(self, engine: EngineIdentity) -> int:
         """The index of a live attached engine; raises EngineDeadError otherwise."""
-        index = self._engine_index_of.get(engine)
+        index = self.engine_set.index_of(engine)
         if index is None:
             raise EngineDeadError("no such engine is attached")
-        if index in self.resources.dead_engines:
+        if self.engine_set.is_dead(index):
             raise EngineDeadError(engine_index=index)
         return index
 

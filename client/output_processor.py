@@ -288,6 +288,14 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
+    def request_ids(self) -> list[str]:
+        """The engine request ids of every live request."""
+        return list(self.request_states)
+
+    def remove_request(self, request_id: str) -> None:
+        """Stops tracking a request that never reached an engine (its send failed)."""
+        self.request_states.pop(request_id, None)
+
     def process_outputs(
         self, outputs: list[EngineCoreOutput], engine_index: int = 0
     ) -> ProcessedOutputs:

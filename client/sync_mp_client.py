@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from shoal.client.engine_monitor import is_recheck_notice
+from shoal.client.engine_set import EngineSet
 from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
     RECHECK_TIMEOUT_S,
@@ -68,7 +69,7 @@ class SyncMPClient(MPClient):
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], **kwargs: Any) -> None:
         super().__init__(endpoints, asyncio_mode=False, **kwargs)
-        self.resources.reattaches_launched_engines = True  # `_reattach_if_alive`
+        self.engine_set.reattach_launched_engines()  # `_reattach_if_alive`
         self.outputs_queue: queue.Queue[_QueueItem] = queue.Queue()
         # request id → engine index of each request sent and not yet finished or aborted.
         self._in_flight: dict[str, int] = {}
@@ -78,6 +79,7 @@ class SyncMPClient(MPClient):
             target=_process_outputs_thread,
             args=(
                 self.resources,
+                self.engine_set,
                 self.decoder,
                 self.output_socket,
                 self.outputs_queue,
@@ -122,7 +124,7 @@ class SyncMPClient(MPClient):
         request.client_index = self.client_index
         engine = self._engine(engine_index)
         self._send_input(EngineCoreRequestType.ADD, request, engine)
-        self._in_flight[request.request_id] = self._engine_index_of[engine]
+        self._in_flight[request.request_id] = self._check_engine(engine)
 
     def abort_requests(self, request_ids: list[str], engine_index: int | None = None) -> None:
         """Aborts requests on one engine; nothing to do if it is dead (they went with it)."""
@@ -131,7 +133,7 @@ class SyncMPClient(MPClient):
         for request_id in request_ids:
             self._in_flight.pop(request_id, None)
         engine = self._engine(engine_index, reattach=False)
-        if self._engine_index_of[engine] not in self.resources.dead_engines:
+        if not self.engine_set.is_dead(self._index_of(engine)):
             self._send_input(EngineCoreRequestType.ABORT, request_ids, engine)
 
     def call_utility(self, method: str, *args: Any, engine_index: int | None = None) -> Any:
@@ -193,7 +195,7 @@ class SyncMPClient(MPClient):
             raise EngineAttachError(
                 f"engine {endpoint.engine_index} refused this client: {e}"
             ) from None
-        self.engine_facts[endpoint.engine_index] = facts
+        self._on_attached(endpoint.engine_index, facts)
         return facts
 
     def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
@@ -230,14 +232,14 @@ class SyncMPClient(MPClient):
         if not self._recheck_due.is_set():
             return
         self._recheck_due.clear()
-        for index, (endpoint, known) in self._attaches_to_recheck().items():
+        for index, (endpoint, known) in self.engine_set.attached_facts().items():
             try:
                 facts = self._ask_hello(endpoint, RECHECK_TIMEOUT_S)
             except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError):
                 continue  # dead or deaf: the engine monitor tells of it
             if facts.attach_serial == known.attach_serial:
                 continue
-            self.engine_facts[index] = facts
+            self.engine_set.set_facts(index, facts)
             lost = [request_id for request_id, i in self._in_flight.items() if i == index]
             for request_id in lost:
                 del self._in_flight[request_id]
@@ -259,13 +261,13 @@ class SyncMPClient(MPClient):
         self._recheck_attached()
         if engine_index is None:
             engine = self.core_engine
-            engine_index = self._engine_index_of[engine]
+            engine_index = self._index_of(engine)
         else:
-            endpoint = self.engines.get(engine_index)
+            endpoint = self.engine_set.endpoint(engine_index)
             if endpoint is None:
                 raise EngineDeadError("it is not attached", engine_index=engine_index)
             engine = endpoint.identity
-        if reattach and engine_index in self.resources.dead_engines:
+        if reattach and self.engine_set.is_dead(engine_index):
             self._reattach_if_alive(engine_index)
         return engine
 
@@ -274,19 +276,24 @@ class SyncMPClient(MPClient):
         while it was stalled, say) whose process lives, waiting up to ENGINE_RETURN_WAIT_S for
         the answer; without one it stays counted dead. The engine replaces the old connection
         and drops its requests, which this client has already failed."""
-        if not self.resources.may_return(engine_index):
+        endpoint = self.engine_set.endpoint(engine_index)
+        if endpoint is None or not self.engine_set.may_return(engine_index):
             return
-        endpoint = self.engines[engine_index]
         assert self.resources.engine_monitor is not None
-        self.resources.engine_monitor.watch(engine_index, endpoint.input_address, None)
+        self.resources.engine_monitor.watch(engine_index, is_new_attach=False)
         try:
             facts = self._ask_hello(endpoint, ENGINE_RETURN_WAIT_S)
         except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
             logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
             return
-        self.engine_facts[engine_index] = facts
-        self.resources.forget_death(engine_index)
+        self._on_attached(engine_index, facts)
         logger.info("engine %d is attached again", engine_index)
+
+    def _index_of(self, engine: EngineIdentity) -> int:
+        index = self.engine_set.index_of(engine)
+        if index is None:
+            raise EngineDeadError("no such engine is attached")
+        return index
 
     def _send_input(
         self, request_type: EngineCoreRequestType, request: Any, engine: EngineIdentity
@@ -312,6 +319,7 @@ class SyncMPClient(MPClient):
 
 def _process_outputs_thread(
     resources: BackgroundResources,
+    engines: EngineSet,
     decoder: OutputDecoder,
     output_socket: zmq.Socket,
     outputs_queue: queue.Queue[_QueueItem],
@@ -328,14 +336,14 @@ def _process_outputs_thread(
             except zmq.Again:
                 continue
             try:
-                if not resources.validate_alive(frames):
+                if not engines.validate_alive(frames):
                     if is_recheck_notice(frames):
                         recheck_due.set()  # before the wake-up: `get_output` checks it
                         outputs_queue.put(_RECHECK_DUE)
                     continue
             except EngineDeadError as dead:
                 fail_utility_calls(utility_results, utility_engines, dead.engine_index, dead)
-                if resources.is_terminal(dead):
+                if engines.is_terminal(dead):
                     final_error = dead
                     return
                 outputs_queue.put(dead)

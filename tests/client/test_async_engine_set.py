@@ -27,7 +27,7 @@ async def test_one_dead_engine_fails_alone_and_the_task_ends_when_all_are_dead(
     one = ServedEngine(tiny_config(engine_checkpoint), engine_index=1)
     client = AsyncMPClient([zero.endpoint, one.endpoint])
     try:
-        assert set(client.engine_facts) == {0, 1}
+        assert set(client.engine_set.attached_facts()) == {0, 1}
         await client.add_request_async(request("on-one", max_tokens=2), one.endpoint.identity)
         assert (await collect(client, {"on-one"}))["on-one"][-1].finished
         one.stop()  # a clean exit still tells attached clients
@@ -72,7 +72,7 @@ async def test_engines_are_added_and_removed_while_serving(engine_checkpoint: st
             with pytest.raises(ValueError, match="already attached"):
                 await client.add_engine_async(one.endpoint)
             client.remove_engine(1)
-            assert set(client.engines) == {0}
+            assert set(client.engine_set.indices()) == {0}
             with pytest.raises(EngineDeadError):
                 await client._call_utility_async("echo", 1, engine=one.endpoint.identity)
             # GOODBYE freed this client's index on engine 1.
@@ -110,7 +110,7 @@ async def test_when_engines_can_return_losing_all_of_them_is_not_terminal(
 ) -> None:
     first = ServedEngine(tiny_config(engine_checkpoint), engine_index=0)
     client = AsyncMPClient([first.endpoint])
-    client.resources.engines_can_return = True
+    client.set_engines_can_return(True)
     try:
         client._ensure_output_queue_task()
         first.stop()
@@ -135,8 +135,8 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
     with running_engine(tiny_config(engine_checkpoint), engine_index=0) as served:
         client = DPLBAsyncMPClient([served.endpoint], client_index=7)
         try:
-            client.resources.engines_can_return = True
-            serial = client.engine_facts[0].attach_serial
+            client.set_engines_can_return(True)
+            serial = client.engine_set.facts(0).attach_serial
             assert serial >= 1
 
             def report(attaches_seen: int, attached: list[int]) -> DPStatsSnapshot:
@@ -158,13 +158,13 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
             client._on_stats_snapshot(report(serial - 1, []))
             client._on_stats_snapshot(report(serial, [7]))
             await asyncio.sleep(0.3)
-            assert client.lb_engines == [0] and not client.resources.dead_engines
+            assert client.lb_engines == [0] and not client.engine_set.dead()
             # Measured after its attach and without it: the engine let it go.
             client._on_stats_snapshot(report(serial + 1, [3]))
             with pytest.raises(EngineDeadError) as info:
                 await asyncio.wait_for(client.get_output_async(), TIMEOUT_S)
             assert info.value.engine_index == 0
-            assert client.lb_engines == [] and client.resources.dead_engines == {0}
+            assert client.lb_engines == [] and client.engine_set.dead() == [0]
 
             # A request now waits for a rank to come back, rather than fail at once.
             waiting = asyncio.ensure_future(
@@ -180,7 +180,7 @@ async def test_a_stats_report_that_no_longer_lists_the_client_counts_as_losing_i
             client._on_stats_snapshot(report(serial + 1, [3]))
             facts = await asyncio.wait_for(reattach, TIMEOUT_S)
             await asyncio.sleep(0.3)
-            assert client.lb_engines == [0] and not client.resources.dead_engines
+            assert client.lb_engines == [0] and not client.engine_set.dead()
             client._on_stats_snapshot(report(facts.attach_serial, [7]))
             assert client.lb_engines == [0]
             await asyncio.wait_for(waiting, TIMEOUT_S)

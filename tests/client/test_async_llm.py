@@ -152,7 +152,7 @@ async def test_killed_engine_fails_every_stream_promptly(checkpoint: str) -> Non
     streams = [llm.generate(p, params) for p in PROMPTS]
     for stream in streams:
         await stream.__anext__()
-    (process,) = llm.engine_core.resources.processes.values()
+    (process,) = llm.engine_core.engine_set.processes()
     assert process.pid is not None
     os.kill(process.pid, signal.SIGKILL)
     start = time.monotonic()

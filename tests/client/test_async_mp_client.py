@@ -149,7 +149,7 @@ async def test_malformed_messages_on_the_output_socket_are_dropped(engine: Serve
         await client.add_request_async(request("after", max_tokens=3))
         outputs = await collect(client, {"after"})
         assert sum(len(o.new_token_ids) for o in outputs["after"]) == 3
-        assert client.resources.dead_engines == set()
+        assert client.engine_set.dead() == []
     finally:
         client.shutdown()
 

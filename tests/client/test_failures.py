@@ -57,7 +57,7 @@ async def _drain_until_dead(client: AsyncMPClient) -> None:
 def launched(engine_checkpoint: str) -> Iterator[tuple[AsyncMPClient, int]]:
     """A client with an engine process of its own (engine 0), and that process's pid."""
     client = AsyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
-    pid = client.resources.processes[0].pid
+    pid = client.engine_set.process(0).pid
     assert pid is not None
     yield client, pid
     client.shutdown()
@@ -98,7 +98,7 @@ async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_moni
     process, endpoint = start_engine_process(tiny_config(engine_checkpoint), engine_index=6)
     try:
         client = AsyncMPClient([endpoint])  # attached by address only: no process sentinel
-        assert client.resources.processes == {}
+        assert client.engine_set.processes() == []
         await client.add_request_async(request("orphaned", max_tokens=200))
         await asyncio.wait_for(client.get_output_async(), 10)
         assert process.pid is not None
@@ -120,7 +120,7 @@ async def test_a_paused_engine_counts_as_dead_and_is_attached_again_once_it_answ
     assert process.pid is not None
     try:
         client = AsyncMPClient([endpoint])
-        client.resources.engines_can_return = True  # as a cluster link's client
+        client.set_engines_can_return(True)  # as a cluster link's client
         await client.add_request_async(request("paused", max_tokens=400))
         await asyncio.wait_for(client.get_output_async(), 10)
         os.kill(process.pid, signal.SIGSTOP)  # alive, but its heartbeats stop
@@ -132,7 +132,7 @@ async def test_a_paused_engine_counts_as_dead_and_is_attached_again_once_it_answ
         # Its process lives on: HELLO again on the same socket (ZMQ has reconnected it). The
         # engine replaces the old connection and drops the request this client gave up on.
         facts = await asyncio.wait_for(client.reattach_engine_async(4), 15)
-        assert facts.engine_index == 4 and 4 not in client.resources.dead_engines
+        assert facts.engine_index == 4 and not client.engine_set.is_dead(4)
         deadline = time.monotonic() + 5
         while (await client.call_utility_async("get_stats")).num_running_reqs:
             assert time.monotonic() < deadline
@@ -156,7 +156,7 @@ async def test_a_launched_engine_is_attached_again_while_it_lives_and_ends_the_c
     os.kill(pid, signal.SIGSTOP)  # its heartbeats stop: lost, but not for good
     try:
         error = await _raises_dead(_drain_until_dead(client))
-        assert error.engine_index == 0 and not client.resources.is_terminal(error)
+        assert error.engine_index == 0 and not client.is_terminal(error)
         # A request waits for the engine to be attached again, rather than fail at once.
         waiting = asyncio.ensure_future(client.add_request_async(request("resumed", max_tokens=3)))
         await asyncio.sleep(0.3)
@@ -164,7 +164,7 @@ async def test_a_launched_engine_is_attached_again_while_it_lives_and_ends_the_c
     finally:
         os.kill(pid, signal.SIGCONT)
     await asyncio.wait_for(waiting, 15)  # the client says HELLO again by itself
-    assert 0 not in client.resources.dead_engines
+    assert not client.engine_set.is_dead(0)
     finished: list[str] = []
     while "resumed" not in finished:  # the given-up request's last outputs may come first
         outputs = await asyncio.wait_for(client.get_output_async(), 10)
@@ -172,10 +172,10 @@ async def test_a_launched_engine_is_attached_again_while_it_lives_and_ends_the_c
     # Lost again, then its process exits: that death is final, and told as such.
     os.kill(pid, signal.SIGSTOP)
     error = await _raises_dead(_drain_until_dead(client))
-    assert not client.resources.is_terminal(error)
+    assert not client.is_terminal(error)
     os.kill(pid, signal.SIGKILL)
     error = await _raises_dead(_drain_until_dead(client))
-    assert error.engine_index == 0 and client.resources.is_terminal(error)
+    assert error.engine_index == 0 and client.is_terminal(error)
     assert client.resources.output_queue_task.done()
 
 
@@ -213,7 +213,7 @@ def test_death_before_the_task_starts_waits_in_the_socket_and_surfaces_on_first_
         time.sleep(0.3)
         # Nothing consumed the notice: no task exists, no engine is marked dead yet.
         assert client.resources.output_queue_task is None
-        assert client.resources.dead_engines == set()
+        assert client.engine_set.dead() == []
 
         async def first_use() -> EngineDeadError:
             return await _raises_dead(client.get_output_async())
@@ -337,7 +337,7 @@ def test_a_lost_hello_answer_is_asked_for_again(caplog: pytest.LogCaptureFixture
     endpoint = EngineEndpoint(0, identity, f"tcp://127.0.0.1:{port}")
     client = SyncMPClient([endpoint], hello_timeout_s=20)
     try:
-        assert client.engine_facts[0].identity == identity
+        assert client.engine_set.facts(0).identity == identity
         assert len(hellos) == 2 and hellos[0] == hellos[1]  # the same HELLO, sent again
         assert "has not answered HELLO yet; asking again" in caplog.text
     finally:

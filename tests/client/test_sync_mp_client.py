@@ -41,7 +41,7 @@ def test_requests_and_utilities(engine: ServedEngine, transport: str) -> None:
     client = SyncMPClient([engine.endpoint], transport=transport)
     try:
         assert client.output_address.startswith(f"{transport}://")
-        assert client.engine_facts[0].num_kv_blocks == NUM_BLOCKS
+        assert client.engine_set.facts(0).num_kv_blocks == NUM_BLOCKS
         for i in range(8):
             client.add_request(request(f"s{i}", [i + 1, 7, 9], max_tokens=i + 1))
         seen = collect(client, {f"s{i}" for i in range(8)})
@@ -88,7 +88,7 @@ def test_engines_are_added_and_removed_at_run_time(engine_checkpoint: str) -> No
         client = SyncMPClient([zero.endpoint])
         try:
             facts = client.add_engine(five.endpoint)
-            assert facts.engine_index == 5 and set(client.engines) == {0, 5}
+            assert facts.engine_index == 5 and set(client.engine_set.indices()) == {0, 5}
             client.add_request(request("on-five", max_tokens=3), engine_index=5)
             assert collect(client, {"on-five"})["on-five"][-1].finished
             assert client.call_utility("echo", 5, engine_index=5) == 5
@@ -143,7 +143,7 @@ def test_close_wakes_the_consumer_and_dropping_the_client_stops_its_thread(
 @pytest.mark.slow
 def test_make_local_launches_the_engine_process_and_close_stops_it(engine_checkpoint: str) -> None:
     client = SyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=1)
-    process = client.resources.processes[1]
+    process = client.engine_set.process(1)
     try:
         assert process.is_alive()
         client.add_request(request("local", max_tokens=4))
@@ -166,7 +166,7 @@ def test_a_launched_engine_that_stalled_is_attached_again_at_the_next_call_until
     engine_checkpoint: str,
 ) -> None:
     client = SyncMPClient.make_local(tiny_config(engine_checkpoint), engine_index=0)
-    pid = client.resources.processes[0].pid
+    pid = client.engine_set.process(0).pid
     assert pid is not None
     try:
         client.add_request(request("stalled", max_tokens=400))
@@ -202,6 +202,6 @@ def test_malformed_messages_on_the_output_socket_are_dropped(engine: ServedEngin
         assert wait_until(lambda: client.decoder.num_dropped == 5, timeout_s=10)
         client.add_request(request("after", max_tokens=3))
         assert sum(len(o.new_token_ids) for o in collect(client, {"after"})["after"]) == 3
-        assert client.resources.dead_engines == set()
+        assert client.engine_set.dead() == []
     finally:
         client.shutdown()

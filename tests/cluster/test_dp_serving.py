@@ -84,19 +84,19 @@ async def test_new_requests_avoid_the_rank_busy_with_a_long_request(llm: AsyncLL
     long_prompt = {"prompt_token_ids": list(range(1, 401))}
     long_task = asyncio.create_task(_final(llm, long_prompt, _params(200)))
     await asyncio.sleep(0)  # let it be routed first
-    busy = _client(llm).rank_of(next(iter(_client(llm).policy.in_flight)))
+    busy = _client(llm).rank_of(_client(llm).router.request_ids()[0])
     shorts = await asyncio.gather(*(_final(llm, f"short {i}", _params(4)) for i in range(4)))
     assert {s.data_parallel_rank for s in shorts} == {1 - busy}  # type: ignore[operator]
     long_output = await long_task
     assert long_output.data_parallel_rank == busy
-    assert _client(llm).policy.in_flight == {}
+    assert len(_client(llm).router) == 0
 
 
 async def test_many_short_requests_use_every_rank(llm: AsyncLLM) -> None:
     outputs = await asyncio.gather(*(_final(llm, f"q {i}", _params(6)) for i in range(40)))
     shares = Counter(o.data_parallel_rank for o in outputs)
     assert set(shares) == {0, 1} and min(shares.values()) >= 10, shares
-    assert _client(llm).policy.in_flight == {}
+    assert len(_client(llm).router) == 0
 
 
 async def test_abort_reaches_the_owning_rank(llm: AsyncLLM) -> None:
@@ -112,7 +112,7 @@ async def test_abort_reaches_the_owning_rank(llm: AsyncLLM) -> None:
         assert time.monotonic() < deadline, stats
         await asyncio.sleep(0.02)
     assert stats[owner].num_free_blocks == stats[owner].num_total_blocks
-    assert _client(llm).policy.in_flight == {}
+    assert len(_client(llm).router) == 0
 
 
 async def test_pinned_rank_is_honoured(llm: AsyncLLM) -> None:
@@ -214,7 +214,7 @@ async def test_a_cluster_seen_by_its_drivers_from_launch_to_stop(
     )
     try:
         # Without the wait it would have found no cluster, or a rank not yet serving.
-        assert _client(driver).routable_ranks() == [0]
+        assert _client(driver).lb_engines == [0]
         before = await _final(driver, "before", _params(3))
         assert len(before.outputs[0].token_ids) == 3
         handle = await launched
@@ -369,7 +369,7 @@ async def _streams_on(llm: AsyncLLM, rank: int, count: int) -> list[asyncio.Task
         asyncio.create_task(_final(llm, f"long {i}", _params(400), data_parallel_rank=rank))
         for i in range(count)
     ]
-    while len(_client(llm).policy.in_flight) < count:
+    while len(_client(llm).router) < count:
         await asyncio.sleep(0.01)
     return streams
 
@@ -428,10 +428,10 @@ async def test_killed_rank_fails_its_requests_and_comes_back(
     deadline = time.monotonic() + 5
     while True:
         steps = (await _client(llm).call_utility_all_async("get_stats"))[victim].step_counter
-        snapshot = _client(llm).policy.snapshots.get(victim)
-        if snapshot is not None and snapshot.stats.step_counter <= steps:
+        load = _client(llm).router.loads.get(victim)
+        if load is not None and load.stats is not None and load.stats.step_counter <= steps:
             break
-        assert time.monotonic() < deadline, (snapshot, steps)
+        assert time.monotonic() < deadline, (load, steps)
         await asyncio.sleep(0.1)
 
 
