@@ -10,10 +10,13 @@ Exchange: all-gather + reduce-scatter. In each MoE layer every rank gathers the 
 every rank's tokens (padded to the largest batch), routes them (the router is replicated, so all
 ranks agree on the routing without exchanging it), runs its own experts over the tokens routed
 to them, and a reduce-scatter sums the partial outputs and hands each rank back its own rows.
-Chosen over all-to-all dispatch/combine because serving batches are small and the exchange is
-latency-bound: two collectives per layer with fixed shapes, where all-to-all needs a third (the
-split sizes) and a permutation on both sides; all-to-all moves less data (top-k of N copies per
-token instead of N) and wins once batches are large, which `bench/expert_parallel.py` shows.
+Chosen over all-to-all dispatch/combine for the device path: two collectives with shapes fixed
+for the whole step, no permutation, and no per-layer host round trip for split sizes (an
+all-to-all must know the counts on the host to size its buffers: a device sync per layer on
+CUDA). The price is volume — every rank receives every token, where an all-to-all moves each
+token only to the ranks of its top-k experts — and on the CPU over gloo the all-to-all is the
+cheaper exchange (`bench/expert_parallel.py` measures both); `exchange` is the one place a
+different exchange would go.
 
 Per forward, `begin_forward` all-gathers every rank's token count once (CPU group) so every
 layer knows the shapes; a forward in which no rank has a token skips the layers' collectives.
@@ -143,8 +146,16 @@ class ExpertParallel:
         self.hidden_size = hidden_size
 
     def begin_forward(self, num_tokens: int) -> None:
-        """Learns every rank's token count for this forward (one small CPU collective)."""
-        assert self.groups is not None, "expert-parallel groups are not bound"
+        """Learns every rank's token count for this forward (one small CPU collective).
+
+        Raises:
+            RuntimeError: the rank has no groups (expert parallelism outside a cluster).
+        """
+        if self.groups is None:
+            raise RuntimeError(
+                "this expert-parallel rank has no process groups: an expert-parallel model is "
+                "served by a cluster (shoal serve, shoal.cluster.launch)"
+            )
         self.num_forwards += 1
         counts = self.groups.all_gather_ints(num_tokens)
         self._counts = counts
