@@ -116,9 +116,6 @@ class ParallelConfig:
             "the ranks restart"
         ),
     )
-    enable_elastic_ep: bool = field(
-        default=False, metadata=_help("allow resizing the ranks while serving")
-    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
