@@ -60,13 +60,12 @@ class _State:
     stats_publish_address: str | None = None
     stats_report_address: str | None = None
     stopping: bool = False
-    scale_lock_owner: str | None = None
     served_by: str | None = None
+    ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
     # CURVE public keys: the coordinator's, and each attached client's by index (kept when a
     # silent client is pruned, since its index is never given to anyone else).
     coordinator_public_key: bytes | None = None
     client_keys: dict[int, bytes] = field(default_factory=dict)
-    ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
 
 
 class RegistryActor:
@@ -332,25 +331,6 @@ class RegistryActor:
         self._state.stopping = True
         return self._bump()
 
-    async def acquire_scale_lock(self, owner: str) -> int | None:
-        """Takes the cluster's scale lock (re-entrant for the same owner).
-
-        Returns:
-            The new epoch, or None if another owner holds the lock.
-        """
-        if self._state.scale_lock_owner not in (None, owner):
-            return None
-        self._state.scale_lock_owner = owner
-        return self._bump()
-
-    async def release_scale_lock(self, owner: str) -> bool:
-        """Releases the scale lock. Returns False if `owner` did not hold it."""
-        if self._state.scale_lock_owner != owner:
-            return False
-        self._state.scale_lock_owner = None
-        self._save()
-        return True
-
     async def status(self) -> dict[str, Any]:
         """A plain, JSON-ready summary for `shoal status`."""
         s = self._state
@@ -362,7 +342,6 @@ class RegistryActor:
             "detached": self.detached,
             "served_by": s.served_by,
             "stopping": s.stopping,
-            "scale_lock_owner": s.scale_lock_owner,
             "stats_publish_address": s.stats_publish_address,
             "expert_parallel": _expert_parallel_status(s.ep_placement),
             "ranks": [

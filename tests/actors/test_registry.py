@@ -143,17 +143,6 @@ def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: An
     assert names == [(0, "c0 again"), (2, "c2"), (4, "c4")]
 
 
-def test_scale_lock_has_one_owner_at_a_time(registry: Any) -> None:
-    epoch = ray.get(registry.membership.remote()).epoch
-    assert ray.get(registry.acquire_scale_lock.remote("a")) == epoch + 1
-    assert ray.get(registry.acquire_scale_lock.remote("b")) is None
-    assert ray.get(registry.acquire_scale_lock.remote("a")) == epoch + 2  # re-entrant
-    assert not ray.get(registry.release_scale_lock.remote("b"))
-    assert ray.get(registry.status.remote())["scale_lock_owner"] == "a"
-    assert ray.get(registry.release_scale_lock.remote("a"))
-    assert ray.get(registry.acquire_scale_lock.remote("b")) is not None
-
-
 class _WatchedActor:
     """Offers the liveness methods the registry calls on every registered engine."""
 
