@@ -1,4 +1,4 @@
-"""`python -m deploy ARGS`: the `shoal` command without the console script."""
+"""`python -m shoal.deploy ARGS`: the `shoal` command without the console script."""
 
 from __future__ import annotations
 

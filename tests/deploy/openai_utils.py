@@ -50,11 +50,11 @@ class FrontEnd:
 
 
 def start_shoal(head: RayHead, args: Sequence[str], log: Path) -> FrontEnd:
-    """Runs `python -m deploy ARGS --port P` and waits until `/health` answers 200."""
+    """Runs `python -m shoal.deploy ARGS --port P` and waits until `/health` answers 200."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy", *args, "--port", str(port),
+            [sys.executable, "-m", "shoal.deploy", *args, "--port", str(port),
              "--address", head.gcs_address],
             stdout=out, stderr=subprocess.STDOUT, env=ray_env(), cwd=REPO_ROOT,
         )  # fmt: skip

@@ -51,9 +51,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _shoal(head: RayHead, *args: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
-    """Runs the `shoal` command (as `python -m deploy`) against the head node."""
+    """Runs the `shoal` command (as `python -m shoal.deploy`) against the head node."""
     return subprocess.run(
-        [sys.executable, "-m", "deploy", *args, "--address", head.gcs_address],
+        [sys.executable, "-m", "shoal.deploy", *args, "--address", head.gcs_address],
         capture_output=True,
         text=True,
         env=ray_env(),
