@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from tests.ray_utils import free_port, ray_env, stop_process_group, unique_names
 
 pytestmark = pytest.mark.slow
 
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 240.0  # two Ray nodes start here, on a machine that may be busy
 
 
 def _head_values(namespace: str, gcs_port: int, http_port: int) -> dict[str, Any]:
@@ -107,11 +108,11 @@ def test_the_head_script_serves_and_ends_cleanly_on_sigterm(tmp_path: Path) -> N
     script = script.replace("--model /models/model", f"--model {shlex.quote(checkpoint)}")
     script = script.replace("--host 0.0.0.0", "--host 127.0.0.1")
     dashboard_port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="shead-", dir="/tmp")  # short: socket paths are limited
     command = _kuberay_start_command(
         "--head", head["rayStartParams"], **{
             "num-cpus": "4", "dashboard-port": str(dashboard_port),
-            "ray-client-server-port": str(free_port()),
-            "temp-dir": tempfile.mkdtemp(prefix="shead-", dir="/tmp"),
+            "ray-client-server-port": str(free_port()), "temp-dir": temp_dir,
         },
     )  # fmt: skip
     log = open(tmp_path / "head.log", "w+")  # noqa: SIM115 - read after the script ends
@@ -149,6 +150,7 @@ def test_the_head_script_serves_and_ends_cleanly_on_sigterm(tmp_path: Path) -> N
     finally:
         stop_process_group(proc.pid)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_the_head_script_ends_with_an_error_when_ray_does_not_start(tmp_path: Path) -> None:
