@@ -14,8 +14,9 @@ State machine of one rank (all ranks go through the same waves, numbered from 0)
     RUNNING(w) ──each turn──▶ one forward: the scheduled batch, else a dummy one
     RUNNING(w) ──every SYNC_INTERVAL forwards: all-reduce "any rank unfinished?" = no──▶
                 PAUSED(w + 1), on every rank at the same forward
-    RUNNING(w) ──a collective fails or times out (a peer died or hangs)──▶ `WaveError`: the
-                engine fails, its clients are told, and its host restarts it
+    RUNNING(w) ──a collective fails or times out (a peer died or hangs)──▶ the step raises
+                (`WaveError` from the wave's own collectives, gloo's or NCCL's error from a
+                forward's): the engine fails, its clients are told, its host restarts it
 
 The wake key is idempotent and per wave, so a request that races the end of a wave (it
 arrives on a rank that has just paused at w + 1) simply starts wave w + 1, and a late or
@@ -32,7 +33,12 @@ from typing import TypeVar
 
 import torch
 
-from shoal.engine.distributed import ProcessGroups, Rendezvous, current_generation
+from shoal.engine.distributed import (
+    GroupJoinError,
+    ProcessGroups,
+    Rendezvous,
+    current_generation,
+)
 from shoal.engine.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
@@ -143,8 +149,8 @@ class DPWave:
                 self.is_running = True
             elif groups.store.check([key]):
                 self.is_running = True
-        except WaveError:
-            raise
+        except GroupJoinError as e:
+            raise WaveError(f"rank {self.rank}: could not rejoin the groups: {e}") from e
         except Exception as e:  # the store itself is unreachable
             raise WaveError(f"rank {self.rank}: the rendezvous store failed: {e}") from e
         if self.is_running:
