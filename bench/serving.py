@@ -10,7 +10,9 @@ ITL p50/p99, and the ratios shoal / vLLM.
 
 Both serve SmolLM2-135M in float32: shoal the GGUF, vLLM (`.bench/vllm-venv`, made by
 `bench/setup_vllm_peer.sh`) the safetensors directory converted from it, with
-`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4`.
+`VLLM_CPU_OMP_THREADS_BIND=0|1` (a CPU list per DP rank; "0-1" fails with DP=2),
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4`; shoal runs on a Ray head of its
+own with 2 CPUs, one per rank.
 
     .venv/bin/python bench/serving.py [--num-requests 200] [--request-rate 2]
         [--vllm-enforce-eager] [--only shoal|vllm]
@@ -40,8 +42,9 @@ from tests.ray_utils import ray_env, start_ray_head, stop_ray_head  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
 VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
+# One CPU per DP rank, as shoal's ranks reserve: with DP > 1 vLLM wants one list per rank.
 VLLM_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
 }
@@ -213,7 +216,9 @@ def bench_server(name: str, args: argparse.Namespace, prompts: list[list[int]]) 
         errors = [r.error for r in results if r.error]
         if errors:
             print(f"{name}: {len(errors)} failed, first: {errors[0]}", flush=True)
-        return summarize(elapsed, results)
+        figures = summarize(elapsed, results)
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
+        return figures
     finally:
         stop(proc)
         if head is not None:
