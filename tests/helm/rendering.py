@@ -184,7 +184,8 @@ def chart_metadata() -> dict[str, Any]:
 
 def crd_schema(kind_plural: str) -> dict[str, Any]:
     """The openAPIV3Schema of the KubeRay v1.7 CRD `ray.io_<plural>.yaml`, version v1."""
-    crd = yaml.safe_load((CRD_DIR / f"ray.io_{kind_plural}.yaml").read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are large
+    crd = yaml.load((CRD_DIR / f"ray.io_{kind_plural}.yaml").read_text(), Loader=loader)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return dict(version["schema"]["openAPIV3Schema"])
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import base64
 import copy
+import re
+import shlex
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -30,6 +33,7 @@ from tests.helm.rendering import (
     render_error,
     render_values,
 )
+from tests.ray_utils import REPO_ROOT
 
 KUBERNETES_VERSION = "1.33"
 FULLNAME = f"{RELEASE}-shoal"
@@ -73,6 +77,28 @@ def test_readme_documents_every_value() -> None:
 
     missing = [key for key in leaves(values, "") if f"`{key}`" not in readme]
     assert missing == []
+
+
+def _readme_helm_installs(path: Path) -> list[list[str]]:
+    """The `--set` values of every `helm install` in a README's bash blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+    installs = []
+    for block in blocks:
+        for command in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(command)
+            if words[:2] == ["helm", "install"]:
+                installs.append([words[i + 1] for i, w in enumerate(words) if w == "--set"])
+    return installs
+
+
+@pytest.mark.parametrize("readme", [REPO_ROOT / "README.md", CHART_DIR / "README.md"])
+def test_the_readmes_helm_install_renders_what_it_says(readme: Path) -> None:
+    (sets,) = _readme_helm_installs(readme)
+    rendered = render_values(helm.parse_set_string(",".join(sets)))
+    argv = rendered.serve_argv()
+    parsed = build_parser().parse_args(argv[1:])
+    assert parsed.data_parallel_size > 1 and parsed.model.startswith("/models/")
+    assert rendered.head_container["image"].startswith("REGISTRY/shoal:")
 
 
 # --- schemas: KubeRay's CRDs and Kubernetes' own --------------------------------------------
