@@ -53,3 +53,14 @@ def test_status_shows_the_expert_placement_and_the_wave() -> None:
     lines = cli.format_status(status).splitlines()
     assert "expert parallel: 2 ranks, 8 experts; wave 7 paused" in lines
     assert "  rank 1: experts 4, 5, 6, 7" in lines
+
+
+def test_launch_refuses_it_before_starting_anything(tmp_path) -> None:
+    from shoal.cluster.launch import launch
+    from shoal.engine.config import EngineConfig
+
+    dense = make_tiny_checkpoint(tmp_path, "llama")
+    config = EngineConfig.from_kwargs(dense, data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        launch(config, namespace="never-started")
+    assert not ray.is_initialized()
