@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -33,24 +33,72 @@ def _rendezvous(port: int) -> Rendezvous:
     return Rendezvous("127.0.0.1", port, group_name=uuid.uuid4().hex[:8])
 
 
-def test_a_peer_that_hangs_ends_the_wave_within_the_collective_timeout(store_port: int) -> None:
-    rendezvous = _rendezvous(store_port)
+def _joined_waves(port: int, timeout_s: float = 10.0) -> list[DPWave]:
+    """Two ranks' waves with their groups joined (no model: the waves' own collectives)."""
+    rendezvous = _rendezvous(port)
     placement = ExpertPlacement.contiguous(4, 2)
     waves = [
         DPWave(
             ExpertParallel(placement, rank),
             rendezvous,
             device=torch.device("cpu"),
-            timeout_s=1.0,
+            timeout_s=timeout_s,
             join_timeout_s=10.0,
         )
         for rank in range(2)
     ]
-    threads = [threading.Thread(target=w.join) for w in waves]
+    _on_both(lambda rank: waves[rank].join())
+    return waves
+
+
+def _on_both(body: Callable[[int], object]) -> None:
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(rank)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
+    if errors:
+        raise errors[0]
+
+
+def test_a_request_racing_the_end_of_a_wave_starts_the_next_one_and_old_wakes_do_nothing(
+    store_port: int,
+) -> None:
+    waves = _joined_waves(store_port)
+    waves[0].maybe_start(has_local_work=True)
+    waves[1].maybe_start(has_local_work=False)  # woken by rank 0's key for wave 0
+    assert all(w.is_running and w.current_wave == 0 for w in waves)
+
+    def finish_wave(rank: int) -> None:
+        for _ in range(SYNC_INTERVAL):
+            waves[rank].end_turn(has_unfinished=False)
+
+    _on_both(finish_wave)
+    assert all(not w.is_running and w.current_wave == 1 for w in waves)
+    # Wave 0's wake key is still in the store: it starts nothing now.
+    waves[1].maybe_start(has_local_work=False)
+    assert not waves[1].is_running
+    # A request stamped with wave 0 (its client saw wave 0 running) reaches rank 0 just after
+    # the wave ended: it is counted as a race, and starts wave 1 on both ranks.
+    waves[0].note_request(0)
+    assert waves[0].num_wave_races == 1
+    waves[0].maybe_start(has_local_work=True)
+    waves[1].maybe_start(has_local_work=False)
+    assert all(w.is_running and w.current_wave == 1 for w in waves)
+    for wave in waves:
+        wave.leave()
+
+
+def test_a_peer_that_hangs_ends_the_wave_within_the_collective_timeout(store_port: int) -> None:
+    waves = _joined_waves(store_port, timeout_s=1.0)
     survivor = waves[0]
     survivor.maybe_start(has_local_work=True)
     assert survivor.is_running
