@@ -60,7 +60,16 @@ def test_demo_streams_real_answers_from_both_ranks() -> None:
     """The README's first command: two ranks of SmolLM2, answers printed with their rank."""
     smollm2_path()  # skips when the model wheel is missing
     result = subprocess.run(
-        [sys.executable, "-m", "shoal.deploy", "demo", "--max-tokens", "12", "--namespace", "demo-test"],
+        [
+            sys.executable,
+            "-m",
+            "shoal.deploy",
+            "demo",
+            "--max-tokens",
+            "12",
+            "--namespace",
+            "demo-test",
+        ],
         capture_output=True,
         text=True,
         env=ray_env(),
@@ -78,7 +87,14 @@ def test_demo_streams_real_answers_from_both_ranks() -> None:
 def test_status_and_stop_without_ray_fail_fast_and_clearly() -> None:
     for command in ("status", "stop"):
         result = subprocess.run(
-            [sys.executable, "-m", "shoal.deploy", command, "--address", f"127.0.0.1:{free_port()}"],
+            [
+                sys.executable,
+                "-m",
+                "shoal.deploy",
+                command,
+                "--address",
+                f"127.0.0.1:{free_port()}",
+            ],
             capture_output=True,
             text=True,
             env=ray_env(),
