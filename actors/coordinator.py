@@ -11,6 +11,11 @@ per client, how many of that client's requests the engine had taken in: a client
 first to ignore reports of a dead incarnation, the second to tell which of its own sends a
 snapshot already includes.
 
+Both sockets are CURVE servers under the coordinator's key pair, made at launch: the PULL takes
+reports only from the ranks' keys (admitted before each rank starts, `admit_engine`), the XPUB
+serves only attached clients' keys (`admit_client`, from the registry); a forged report or a
+stranger's subscription is closed at its handshake (`shoal.engine.curve`).
+
 Restarts: Ray restarts a coordinator that dies. The new one binds the addresses its
 predecessor published in the registry, so engines' PUSH and clients' SUB sockets reconnect
 on their own (ZMQ re-sends a SUB's subscription) and nobody has to be told; engines refill the

@@ -24,7 +24,13 @@
     consumer falls behind receives merged deltas (fewer, larger chunks), so shoal's figure
     counts tokens and also reports the chunks received.
 
-    .venv/bin/python bench/transport.py [--parts abc] [--num-requests 2000] [--num-batches 20000] \
+(d) CURVE on and off: (a)'s per-request latency and (c)'s 400 streams of 16 tokens through
+    AsyncMPClient and an engine process, once with every data-plane socket CURVE-authenticated
+    (as a cluster and a local AsyncLLM run) and once with open sockets. Both are up at once
+    and measured in alternating turns so both see the same machine; best of `--num-runs` for
+    the streams, p50/p99 for the latency.
+
+    .venv/bin/python bench/transport.py [--parts abcd] [--num-requests 2000] [--num-batches 20000] \
         [--num-runs 3] [--transport tcp]
 """
 
@@ -62,6 +68,7 @@ from shoal.client.async_llm import AsyncLLM
 from shoal.client.core_client import AsyncMPClient
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import start_engine_process, stop_engine_process
+from shoal.engine.curve import CurveKeyPair, EngineKeys
 from shoal.engine.engine_core import EngineCore
 from shoal.engine.protocol import (
     EngineCoreOutput,
@@ -411,6 +418,79 @@ def _free_port() -> int:
         return port
 
 
+# --- (d) CURVE on and off ---------------------------------------------------------------------
+
+
+@dataclass
+class CurveRun:
+    """(d) for one setting: per-request seconds and the best streaming tokens/s."""
+
+    latencies_s: list[float]
+    tokens_per_s: float
+
+
+async def _stream_tokens_per_s(client: AsyncMPClient, run: int) -> float:
+    params = STREAM_PARAMS
+    started = time.perf_counter()
+    for i in range(NUM_STREAMS):
+        request = EngineCoreRequest(f"s{run}-{i}", [1 + i % 100, 2, 3, 4, 5, 6, 7, 8], params)
+        await client.add_request_async(request)
+    num_tokens, unfinished = 0, NUM_STREAMS
+    while unfinished:
+        for output in (await client.get_output_async()).outputs:
+            num_tokens += len(output.new_token_ids)
+            unfinished -= output.finished
+    return num_tokens / (time.perf_counter() - started)
+
+
+async def _curve_client(path: str, curve: bool) -> tuple[AsyncMPClient, Any]:
+    """An engine process and its client, with CURVE on both ends or on neither."""
+    config = EngineConfig.from_kwargs(
+        path,
+        max_model_len=128,
+        num_gpu_blocks_override=NUM_STREAMS * 2,
+        max_num_seqs=NUM_STREAMS,
+        max_num_batched_tokens=NUM_STREAMS * 8,
+        cpu_threads=1,
+    )
+    engine_kwargs: dict[str, Any] = {}
+    client_kwargs: dict[str, Any] = {}
+    if curve:
+        client_keys = CurveKeyPair.generate()
+        engine_kwargs["keys"] = EngineKeys(CurveKeyPair.generate(), {0: client_keys.public})
+        client_kwargs["curve_keys"] = client_keys
+    process, endpoint = start_engine_process(config, **engine_kwargs)
+    return AsyncMPClient([endpoint], processes={0: process}, **client_kwargs), process
+
+
+async def curve_runs(path: str, num_requests: int, num_runs: int) -> dict[bool, CurveRun]:
+    """Both settings served at once (an idle engine blocks, taking no CPU) and measured in
+    alternating turns — latency in blocks of requests, then one streaming run each — so that
+    both see the same machine; each keeps its pooled latencies and its best throughput."""
+    clients = {curve: await _curve_client(path, curve) for curve in (False, True)}
+    result = {curve: CurveRun([], 0.0) for curve in clients}
+    try:
+        for client, _ in clients.values():  # warm-up
+            for i in range(_LATENCY_BLOCK):
+                await _remote_latency(client, i)
+            await _stream_tokens_per_s(client, -1)
+        freeze_startup_heap()
+        for block in range(max(1, num_requests // _LATENCY_BLOCK)):
+            for curve, (client, _) in clients.items():
+                first = block * _LATENCY_BLOCK
+                for i in range(first, first + _LATENCY_BLOCK):
+                    result[curve].latencies_s.append(await _remote_latency(client, i))
+        for run in range(num_runs):
+            for curve, (client, _) in clients.items():
+                tokens_per_s = await _stream_tokens_per_s(client, run)
+                result[curve].tokens_per_s = max(result[curve].tokens_per_s, tokens_per_s)
+    finally:
+        for client, process in clients.values():
+            client.shutdown()
+            stop_engine_process(process)
+    return result
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -458,9 +538,27 @@ def report_streams(shoal: StreamRun, ray_serve: StreamRun) -> None:
     print(f"    {'throughput ratio':<28}{shoal.tokens_per_s / ray_serve.tokens_per_s:>11.1f}x")
 
 
+def report_curve(runs: dict[bool, CurveRun]) -> None:
+    ms = 1000.0
+    off, on = runs[False], runs[True]
+    print(
+        f"(d) CURVE on and off: max_tokens=1 latency; {NUM_STREAMS} streams of {TOKENS_PER_STREAM}"
+    )
+    print(f"    {'sockets':<24}{'p50 ms':>10}{'p99 ms':>10}{'stream tokens/s':>18}")
+    for name, run in (("open", off), ("CURVE + ZAP", on)):
+        print(
+            f"    {name:<24}{percentile(run.latencies_s, 0.5) * ms:>10.3f}"
+            f"{percentile(run.latencies_s, 0.99) * ms:>10.3f}{run.tokens_per_s:>18,.0f}"
+        )
+    p50_ratio = percentile(on.latencies_s, 0.5) / percentile(off.latencies_s, 0.5)
+    print(
+        f"    {'CURVE / open':<24}{p50_ratio:>10.2f}{'':>10}{on.tokens_per_s / off.tokens_per_s:>18.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="abc", help="which parts to run, e.g. 'ab'")
+    parser.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'ab'")
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--num-batches", type=int, default=20000)
     parser.add_argument("--num-runs", type=int, default=3, help="throughput runs; best is kept")
@@ -487,6 +585,9 @@ def main() -> None:
             shoal = asyncio.run(shoal_streams(path, NUM_STREAMS, args.num_runs))
             ray_serve = ray_serve_streams(NUM_STREAMS, args.num_runs)
             report_streams(shoal, ray_serve)
+        if "d" in args.parts:
+            runs = asyncio.run(curve_runs(path, args.num_requests, args.num_runs))
+            report_curve(runs)
 
 
 if __name__ == "__main__":
