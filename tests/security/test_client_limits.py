@@ -4,7 +4,6 @@ whose outputs never connected (a flood's), and is otherwise refused with the rea
 from __future__ import annotations
 
 import queue
-import time
 
 import zmq
 
