@@ -276,6 +276,17 @@ class AsyncLLM:
         """The ranks (engine indices) that take new requests now."""
         return [] if self.errored else self.engine_core.serving_engines()
 
+    def rank_stats(self) -> dict[int, SchedulerStats]:
+        """Each rank's load as the coordinator last published it (empty for a local engine)."""
+        return self.engine_core.latest_stats()
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length the engines serve (as they said at HELLO), else the config's."""
+        for facts in self.engine_core.engine_facts().values():
+            return facts.max_model_len
+        return self.config.model.max_model_len
+
     async def get_stats(self) -> SchedulerStats:
         """The serving engine's load (the first rank's, in cluster mode)."""
         self._check_loop()

@@ -36,6 +36,7 @@ from shoal.engine.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineEndpoint,
+    SchedulerStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -268,6 +269,10 @@ class AsyncMPClient(AsyncEngineSetMixin):
         """The loop the output task runs on; None before it starts."""
         task = self.resources.output_queue_task
         return task.get_loop() if task is not None else None
+
+    def latest_stats(self) -> dict[int, SchedulerStats]:
+        """Nothing: this client subscribes to no stats stream (`DPAsyncMPClient` does)."""
+        return {}
 
     def rank_of(self, request_id: str) -> int | None:
         """The engine serving a request: the first engine (single-engine calls go there)."""

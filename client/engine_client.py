@@ -12,7 +12,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from shoal.engine.errors import EngineDeadError
-from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineEndpoint, EngineFacts
+from shoal.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineEndpoint,
+    EngineFacts,
+    SchedulerStats,
+)
 
 
 class EngineCoreClient(Protocol):
@@ -40,6 +46,13 @@ class EngineCoreClient(Protocol):
 
     def serving_engines(self) -> list[int]:
         """The engine indices that take new requests now (attached, not counted dead)."""
+
+    def engine_facts(self) -> dict[int, EngineFacts]:
+        """What each live attached engine said of itself at HELLO, by index."""
+
+    def latest_stats(self) -> dict[int, SchedulerStats]:
+        """Each engine's load as last published to this client (empty without a stats
+        subscription)."""
 
     def is_terminal(self, dead: EngineDeadError) -> bool:
         """Whether a death ends the client's outputs for good."""

@@ -215,6 +215,10 @@ class MPClient:
         """The engines that take new requests now: attached and not counted dead."""
         return self.engine_set.routable()
 
+    def engine_facts(self) -> dict[int, EngineFacts]:
+        """What each live attached engine said of itself at HELLO, by index."""
+        return {i: facts for i, (_, facts) in self.engine_set.attached_facts().items()}
+
     def dead_ranks(self) -> list[int]:
         """The engines this client counts dead."""
         return self.engine_set.dead()

@@ -3,16 +3,39 @@
 The user's import is `from shoal import LLM, AsyncLLM, SamplingParams`. The layers are
 subpackages, each kept in its own top-level folder of the repository: `shoal.engine` (one rank,
 no Ray), `shoal.actors` (Ray actors), `shoal.cluster` (placement and launch), `shoal.client`
-(the engine-core clients and the user APIs) and `shoal.deploy` (CLI, job entrypoint, demo).
+(the engine-core clients and the user APIs) and `shoal.deploy` (CLI, job entrypoint, HTTP
+front end, demo). The public names load on first use, so importing a light module such as
+`shoal.engine.scheduler` does not pull in torch or Ray.
 """
 
 from __future__ import annotations
 
-from shoal.client.async_llm import AsyncLLM
-from shoal.client.llm import LLM
-from shoal.client.outputs import CompletionOutput, RequestOutput
-from shoal.engine.protocol import SamplingParams
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shoal.client.async_llm import AsyncLLM
+    from shoal.client.llm import LLM
+    from shoal.client.outputs import CompletionOutput, RequestOutput
+    from shoal.engine.protocol import SamplingParams
 
 __version__ = "0.1.0"
 
+_PUBLIC = {
+    "AsyncLLM": "shoal.client.async_llm",
+    "LLM": "shoal.client.llm",
+    "CompletionOutput": "shoal.client.outputs",
+    "RequestOutput": "shoal.client.outputs",
+    "SamplingParams": "shoal.engine.protocol",
+}
+
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value

@@ -50,10 +50,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int | None:
-        facts = getattr(self.llm.engine_core, "engine_facts", {})
-        for fact in facts.values():
-            return int(fact.max_model_len)
-        return self.llm.config.model.max_model_len
+        return self.llm.max_model_len
 
     def check_model(self, model: str | None) -> None:
         """Raises OpenAIError (404) for a model this server does not serve."""
@@ -67,15 +64,7 @@ class ServerState:
 
     def serving_ranks(self) -> list[int]:
         """The ranks this front end can route requests to now."""
-        serving = getattr(self.llm, "serving_ranks", None)
-        if serving is not None:
-            ranks: list[int] = serving()
-            return ranks
-        routable = getattr(self.llm.engine_core, "routable_ranks", None)
-        if routable is not None:
-            ranks = routable()
-            return ranks
-        return [] if self.llm.errored else [0]
+        return self.llm.serving_ranks()
 
     async def refresh_cluster_facts(self) -> None:
         """Reads rank states and attached clients from the registry for the next scrape."""
@@ -92,8 +81,4 @@ class ServerState:
 
 def rank_stats(llm: AsyncLLM) -> dict[int, SchedulerStats]:
     """The latest published stats of each rank the front end's DP client is attached to."""
-    latest = getattr(llm.engine_core, "latest_stats", None)
-    if latest is None:
-        return {}
-    stats: dict[int, SchedulerStats] = latest()
-    return stats
+    return llm.rank_stats()

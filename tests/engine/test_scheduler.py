@@ -468,5 +468,5 @@ def test_random_traffic_keeps_invariants_and_finishes_everything(
 
 
 def test_scheduler_and_kv_cache_import_no_torch() -> None:
-    code = "import sys, engine.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, shoal.engine.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

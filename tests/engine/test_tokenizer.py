@@ -235,8 +235,9 @@ def test_tokenizer_and_metadata_need_no_torch(tmp_path: Path) -> None:
     """Clients tokenize and read ModelArch; they must not pay torch's import time."""
     checkpoint = make_tiny_checkpoint(tmp_path, "llama")
     code = (
-        "import sys; from engine.detokenizer import IncrementalDetokenizer; "
-        "from engine.loader import load_model_arch; from engine.tokenizer import load_tokenizer; "
+        "import sys; from shoal.engine.detokenizer import IncrementalDetokenizer; "
+        "from shoal.engine.loader import load_model_arch; "
+        "from shoal.engine.tokenizer import load_tokenizer; "
         f"[load_model_arch(p) and load_tokenizer(p) for p in ({checkpoint!r}, {smollm2_path()!r})]; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
