@@ -376,5 +376,10 @@ class AsyncMPClient(AsyncEngineSetMixin):
         return await future
 
     async def collective_rpc_async(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Runs a model-runner method on the engine; one result per worker."""
+        """Runs a read-only model-runner method on every worker of the engine; one result per
+        worker. The engine refuses anything that would change it (`READ_ONLY_RUNNER_METHODS`).
+
+        Raises:
+            EngineUtilityError: the method is not one a client may run.
+        """
         return await self.call_utility_async("collective_rpc", method, args)

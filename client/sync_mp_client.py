@@ -161,6 +161,7 @@ class SyncMPClient(MPClient):
                 self._recheck_attached()
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """As `AsyncMPClient.collective_rpc_async`: read-only runner methods only."""
         return self.call_utility("collective_rpc", method, args)
 
     def get_stats(self) -> SchedulerStats:

@@ -78,6 +78,10 @@ MAX_ATTACHED_CLIENTS = 256
 # the HELLO named, and a flood of them must not take the engine's descriptors.
 MAX_REFUSALS_PER_S = 20
 # The input thread wakes at least this often to notice shutdown and expired connections.
+# The model-runner methods a client may run on every worker through `collective_rpc`: they
+# only read. Nothing that loads weights, binds the KV cache or runs the model is reachable.
+READ_ONLY_RUNNER_METHODS = frozenset({"bytes_per_block", "determine_num_blocks"})
+
 _INPUT_POLL_MS = 100
 _MAX_MESSAGES_PER_WAKE = 256
 # Plain ints: pyzmq's flag enums cost a few microseconds per message in arithmetic and wrapping.
@@ -359,6 +363,14 @@ class InputThread(threading.Thread):
             message = f"utility method {method!r} takes {num_args} arguments, got {len(args)}"
             self._send_utility_failure(connection, call_id, message)
             return
+        if method == "collective_rpc" and not is_read_only_rpc(args):
+            allowed = ", ".join(sorted(READ_ONLY_RUNNER_METHODS))
+            message = (
+                f"collective_rpc from a client reaches only the read-only runner methods "
+                f"({allowed}), without arguments; not {args[0]!r}"
+            )
+            self._send_utility_failure(connection, call_id, message)
+            return
         self._work_queue.put(UtilityCall(connection.client_index, call_id, method, args))
 
     def _send_utility_failure(
@@ -609,3 +621,10 @@ class InputThread(threading.Thread):
         for connection in list(self._connections.values()):
             if connection.deadline is not None and connection.deadline <= now:
                 self._detach(connection, "its output connection is gone")
+
+
+def is_read_only_rpc(args: list[Any]) -> bool:
+    """Whether `collective_rpc` arguments `[method, method_args]` name a read-only runner
+    method called without arguments."""
+    method, method_args = args
+    return method in READ_ONLY_RUNNER_METHODS and not method_args

@@ -144,7 +144,7 @@ class EngineCoreProc:
     # reaches the model, its weights or the KV cache (`collective_rpc`, `load_model`,
     # `initialize_kv_cache`, `execute_model`) is on the data plane.
     UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
-        {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1}
+        {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1, "collective_rpc": 2}
     )
 
     def __init__(

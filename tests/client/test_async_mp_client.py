@@ -255,9 +255,10 @@ async def test_utility_results_failures_and_refusals(engine: ServedEngine) -> No
         assert await client.call_utility_async("echo", {"a": [1, None]}) == {"a": [1, None]}
         stats = await client.call_utility_async("get_stats")
         assert isinstance(stats, SchedulerStats) and stats.num_total_blocks == NUM_BLOCKS
-        # Nothing that reaches the model is on the data plane.
-        with pytest.raises(EngineUtilityError, match="'collective_rpc' is not available"):
-            await client.collective_rpc_async("determine_num_blocks")
+        # collective_rpc reaches only the runner methods that read; nothing that mutates.
+        assert await client.collective_rpc_async("determine_num_blocks") == [NUM_BLOCKS]
+        with pytest.raises(EngineUtilityError, match="only the read-only runner methods"):
+            await client.collective_rpc_async("initialize_kv_cache", (1,))
         with pytest.raises(EngineUtilityError, match="'abort_client_requests' is not available"):
             await client.call_utility_async("abort_client_requests", 0)
         assert client.utility_results == {}
@@ -313,8 +314,7 @@ async def test_collective_rpc_goes_through_call_utility_async(engine: ServedEngi
     client = RecordingClient([engine.endpoint])
     client.calls = []
     try:
-        with pytest.raises(EngineUtilityError, match="not available"):  # refused by the engine
-            await client.collective_rpc_async("determine_num_blocks")
+        assert await client.collective_rpc_async("determine_num_blocks") == [NUM_BLOCKS]
         assert client.calls == ["collective_rpc"]
     finally:
         client.shutdown()

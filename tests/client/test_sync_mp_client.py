@@ -49,9 +49,10 @@ def test_requests_and_utilities(engine: ServedEngine, transport: str) -> None:
             assert sum(len(o.new_token_ids) for o in seen[f"s{i}"]) == i + 1
             assert seen[f"s{i}"][-1].finish_reason is FinishReason.LENGTH
         assert isinstance(client.call_utility("get_stats"), SchedulerStats)
-        # Nothing that reaches the model is on the data plane.
-        with pytest.raises(EngineUtilityError, match="'collective_rpc' is not available"):
-            client.collective_rpc("determine_num_blocks")
+        # collective_rpc reaches only the runner methods that read; nothing that mutates.
+        assert client.collective_rpc("determine_num_blocks") == [NUM_BLOCKS]
+        with pytest.raises(EngineUtilityError, match="only the read-only runner methods"):
+            client.collective_rpc("load_model")
         with pytest.raises(EngineUtilityError, match="'step' is not available"):
             client.call_utility("step")
         assert client.utility_results == {} and client.utility_engines == {}

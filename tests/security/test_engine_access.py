@@ -85,10 +85,17 @@ def test_no_utility_reaches_the_model_weights_or_kv_cache(closed: ClosedEngine) 
             ("load_model", ()),
             ("initialize_kv_cache", (1,)),
             ("execute_model", ()),
-            ("determine_num_blocks", ()),
+            ("determine_num_blocks", (1,)),
         ):
             reply = attacker.call("collective_rpc", *args)
+            assert reply.failure_message is not None
+            assert "only the read-only runner methods" in reply.failure_message
+        for method in ("step", "abort_client_requests", "shutdown"):
+            reply = attacker.call(method)
             assert reply.failure_message is not None and "not available" in reply.failure_message
+        # What only reads the engine stays reachable.
+        reply = attacker.call("collective_rpc", "determine_num_blocks", ())
+        assert reply.failure_message is None and reply.result is not None
         reply = attacker.call("echo", 1, 2)
         assert reply.failure_message is not None and "takes 1 arguments" in reply.failure_message
         assert victim.generate("after", max_tokens=8) == before  # the same weights, the same cache
