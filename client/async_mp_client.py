@@ -287,7 +287,7 @@ class AsyncMPClient(AsyncEngineSetMixin):
     ) -> Awaitable[Any]:
         if engine is None:
             engine = self.core_engine
-        message = (request_type.value, *self.encoder.encode(request))
+        message = self._encode_input(request_type, request)
         return self._send_input_message(message, engine, request)
 
     def _send_input_message(

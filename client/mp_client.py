@@ -27,7 +27,7 @@ from shoal.client.engine_set import EngineIdentity, EngineSet
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import start_engine_process, stop_engine_process
 from shoal.engine.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
-from shoal.engine.errors import EngineDeadError
+from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -405,6 +405,20 @@ class MPClient:
         if self.engine_set.is_dead(index):
             raise EngineDeadError(engine_index=index)
         return index
+
+    def _encode_input(
+        self, request_type: EngineCoreRequestType, request: Any
+    ) -> tuple[bytes | memoryview, ...]:
+        """The frames of one input message.
+
+        Raises:
+            RequestError: a field holds a value the wire cannot carry (an int past 64 bits,
+                say, set after the request was validated).
+        """
+        try:
+            return (request_type.value, *self.encoder.encode(request))
+        except (OverflowError, TypeError) as e:
+            raise RequestError(f"the request cannot be sent: {type(e).__name__}: {e}") from e
 
     def _new_utility_message(
         self, method: str, args: tuple[Any, ...]

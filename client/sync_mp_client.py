@@ -299,7 +299,7 @@ class SyncMPClient(MPClient):
     def _send_input(
         self, request_type: EngineCoreRequestType, request: Any, engine: EngineIdentity
     ) -> None:
-        message = (request_type.value, *self.encoder.encode(request))
+        message = self._encode_input(request_type, request)
         self._send_input_message(message, engine, request)
 
     def _send_input_message(

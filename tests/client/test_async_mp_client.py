@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from shoal.client.core_client import AsyncMPClient, EngineUtilityError
 from shoal.engine.engine_core import EngineCore
-from shoal.engine.errors import EngineDeadError
+from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
@@ -423,3 +423,16 @@ async def test_clients_never_see_each_others_outputs_and_late_ones_are_served(
         for client in (first, second, late):
             if client is not None:
                 client.shutdown()
+
+
+async def test_a_value_the_wire_cannot_carry_is_a_request_error(engine: ServedEngine) -> None:
+    client = AsyncMPClient([engine.endpoint])
+    try:
+        bad = request("too-big", max_tokens=2)
+        bad.sampling_params.seed = 1 << 70  # changed after the params validated themselves
+        with pytest.raises(RequestError, match="cannot be sent"):
+            await client.add_request_async(bad)
+        await client.add_request_async(request("fine", max_tokens=2))  # the client serves on
+        assert (await collect(client, {"fine"}))["fine"][-1].finished
+    finally:
+        client.shutdown()
