@@ -61,6 +61,8 @@ ActorHandle = Any
 DEFAULT_NAMESPACE = "shoal"
 ENGINE_MAX_RESTARTS = 4
 READY_TIMEOUT_S = 600.0
+# How long the registry and the coordinator may take to start (a new Ray worker each).
+CONTROL_START_TIMEOUT_S = 60.0
 # How long a killed actor may take to disappear from Ray's name table.
 _ACTOR_EXIT_TIMEOUT_S = 15.0
 
@@ -249,8 +251,9 @@ def launch(
     )
     handle = ClusterHandle(namespace, registry, coordinator)
     try:
+        # The control actors' start is not the ranks' placement: it has its own bound.
         report_address, publish_address = ray.get(
-            coordinator.addresses.remote(), timeout=ready_timeout_s
+            coordinator.addresses.remote(), timeout=CONTROL_START_TIMEOUT_S
         )
         ray.get(
             registry.set_coordinator.remote(

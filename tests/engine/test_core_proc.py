@@ -162,11 +162,13 @@ def test_utility_calls_results_failures_and_refusals(peer: RawPeer) -> None:
     assert call_utility(peer, 11, "echo", {"k": [1, 2]}) == {"k": [1, 2]}
     assert call_utility(peer, 12, "reset_prefix_cache") is True
     assert isinstance(call_utility(peer, 13, "get_stats"), SchedulerStats)
-    # Nothing that reaches the model is on the data plane.
+    # Nothing that changes the model or the KV cache is on the data plane; reading is.
     peer.send_typed(UTILITY, (0, 14, "collective_rpc", ("load_model", ())))
     reply = peer.recv().utility_output
     assert reply is not None and reply.call_id == 14
-    assert reply.failure_message is not None and "not available" in reply.failure_message
+    assert reply.failure_message is not None and "read-only" in reply.failure_message
+    [num_blocks] = call_utility(peer, 19, "collective_rpc", "determine_num_blocks", ())
+    assert isinstance(num_blocks, int) and num_blocks > 0
     peer.send_typed(UTILITY, (0, 16, "echo", (1, 2)))  # arguments are checked
     reply = peer.recv().utility_output
     assert reply is not None and reply.failure_message is not None
