@@ -101,7 +101,30 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
-class RawPeer:
+class WirePeer:
+    """Sends frames by hand on a ROUTER connected to one engine; subclasses make the sockets
+    (`router`, `endpoint`, `encoder`)."""
+
+    router: zmq.Socket
+    endpoint: EngineEndpoint
+    encoder: MsgpackEncoder
+
+    def send(self, *frames: bytes | memoryview) -> None:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                self.router.send_multipart([self.endpoint.identity, *frames])
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+
+    def send_typed(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        self.send(request_type.value, *self.encoder.encode(payload))
+
+
+class RawPeer(WirePeer):
     """A hand-driven client connection: one ROUTER to the engine, one bound PULL for outputs."""
 
     def __init__(self, endpoint: EngineEndpoint, client_index: int = 0) -> None:
@@ -119,20 +142,6 @@ class RawPeer:
         self.output_address = f"tcp://127.0.0.1:{port}"
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
-
-    def send(self, *frames: bytes | memoryview) -> None:
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                self.router.send_multipart([self.endpoint.identity, *frames])
-                return
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
-
-    def send_typed(self, request_type: EngineCoreRequestType, payload: Any) -> None:
-        self.send(request_type.value, *self.encoder.encode(payload))
 
     def hello(
         self, client_index: int | None = None, protocol_version: int | None = None

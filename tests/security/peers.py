@@ -30,14 +30,20 @@ from shoal.engine.protocol import (
     UtilityOutput,
 )
 from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder
-from tests.engine.core_proc_utils import RawPeer, ServedEngine, running_engine, tiny_config
+from tests.engine.core_proc_utils import (
+    RawPeer,
+    ServedEngine,
+    WirePeer,
+    running_engine,
+    tiny_config,
+)
 
 HELLO = EngineCoreRequestType.HELLO
 ADD = EngineCoreRequestType.ADD
 UTILITY = EngineCoreRequestType.UTILITY
 
 
-class KeyedPeer:
+class KeyedPeer(WirePeer):
     """A client holding an admitted key: a CURVE ROUTER to the engine and a CURVE PULL whose
     ZAP handler takes only the engine's pushes."""
 
@@ -72,20 +78,6 @@ class KeyedPeer:
         self.output_address = f"tcp://127.0.0.1:{port}"
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
-
-    def send(self, *frames: bytes | memoryview) -> None:
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                self.router.send_multipart([self.endpoint.identity, *frames])
-                return
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
-
-    def send_typed(self, request_type: EngineCoreRequestType, payload: Any) -> None:
-        self.send(request_type.value, *self.encoder.encode(payload))
 
     def hello(self, client_index: int | None = None, output_address: str | None = None) -> Any:
         """HELLO (as `client_index`, with outputs to `output_address`); the engine's answer."""
