@@ -237,6 +237,33 @@ class EngineCore:
             return f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}"
         if any(t >= vocab_size for t in params.stop_token_ids):
             return f"stop_token_ids must be in [0, {vocab_size})"
+        if request.resumed_output_token_ids:
+            return self._validate_resumed(request)
+        return None
+
+    def _validate_resumed(self, request: EngineCoreRequest) -> str | None:
+        """A resumed request's output so far: valid ids, room for one more token, under
+        max_tokens (the rank that generated it would have finished it otherwise)."""
+        resumed = request.resumed_output_token_ids
+        vocab_size = self.arch.vocab_size
+        if min(resumed) < 0 or max(resumed) >= vocab_size:
+            return f"resumed output token ids must be in [0, {vocab_size})"
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(resumed) >= max_tokens:
+            return (
+                f"the request resumes with {len(resumed)} output tokens, which already reach "
+                f"max_tokens={max_tokens}"
+            )
+        num_tokens = len(request.prompt_token_ids) + len(resumed)
+        # The scheduler ends a request that fills the context or the whole KV pool, so a
+        # resumed one must leave room for at least one more token in both.
+        max_num_tokens = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        if num_tokens >= max_num_tokens:
+            return (
+                f"the prompt and the resumed output have {num_tokens} tokens, but at most "
+                f"{max_num_tokens - 1} leave room for a generated token (max_model_len="
+                f"{self.max_model_len}, KV cache {self.num_kv_blocks * self.block_size} tokens)"
+            )
         return None
 
     def _is_owned_by(self, request_id: str, client_index: int) -> bool:

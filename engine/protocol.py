@@ -189,6 +189,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # The DP wave the client last saw published; an older one than the rank's marks a request
     # that raced the end of a wave (counted; the request starts the next wave either way).
     current_wave: int = 0
+    # Tokens this request already generated on another rank (one that left the cluster in an
+    # elastic scale-down). The engine computes prompt + these, counts them as output already
+    # produced (max_tokens, min_tokens, penalties, seeded draws) and emits only the tokens
+    # after them.
+    resumed_output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -225,7 +230,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    num_pending_prefill_tokens: int = 0  # prompt tokens not yet computed, waiting + running
+    # Prompt (and resumed output) tokens not yet computed, waiting + running.
+    num_pending_prefill_tokens: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_free_blocks: int = 0
     num_total_blocks: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 from shoal.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
@@ -40,6 +41,12 @@ class Request:
     Invariant: `num_computed_tokens <= num_tokens`; the KV of `all_token_ids[:num_computed_tokens]`
     is in the request's blocks. A request samples a new token after the step in which
     `num_computed_tokens` reaches `num_tokens`.
+
+    A resumed request (`resumed_output_token_ids`: output another rank generated before it
+    left the cluster) starts as a preempted request does: its output so far follows the prompt
+    in `all_token_ids` with nothing computed, so the scheduler prefills prompt + output (prefix
+    cache hits included) before it samples, and max_tokens, min_tokens, penalties and seeded
+    draws count that output as produced. Only tokens sampled here are ever emitted.
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class Request:
         client_index: int = 0,
         arrival_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        resumed_output_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
@@ -58,7 +66,8 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.eos_token_ids = eos_token_ids
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = [*prompt_token_ids, *resumed_output_token_ids]
+        self.num_resumed_tokens = len(resumed_output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not looked up
         self.num_preemptions = 0
@@ -80,6 +89,7 @@ class Request:
             client_index=request.client_index,
             arrival_time=request.arrival_time or None,
             eos_token_ids=eos_token_ids,
+            resumed_output_token_ids=request.resumed_output_token_ids,
         )
 
     @property
@@ -100,8 +110,9 @@ class Request:
 
     @property
     def num_pending_prefill_tokens(self) -> int:
-        """Prompt tokens whose KV is not computed yet."""
-        return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+        """Prompt (and resumed output) tokens whose KV is not computed yet."""
+        num_prefill = self.num_prompt_tokens + self.num_resumed_tokens
+        return max(0, num_prefill - self.num_computed_tokens)
 
     @property
     def is_finished(self) -> bool:
