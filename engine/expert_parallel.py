@@ -22,16 +22,27 @@ Per forward, `begin_forward` all-gathers every rank's token count once (CPU grou
 layer knows the shapes; a forward in which no rank has a token skips the layers' collectives.
 A rank with nothing to run still joins each layer's exchange with an empty batch
 (`run_dummy_forward`): its experts serve the other ranks' tokens.
+
+Re-sharding at a resize, in two steps. `stage` builds, beside the live weights, every MoE
+layer's weights for the experts the rank holds under a new placement: held experts are copied
+from the live tensors (oneDNN-packed ones are shared as they are: nothing ever writes them), the
+others are read from the checkpoint, only their tensors. It reads the live weights and writes
+only new tensors, so it may run on a background thread while forwards go on. `commit` swaps
+the stage in, on the busy-loop thread between forwards while the rank is unbound from its
+groups; the old weights are released then. Dropping a `StagedExperts` instead is the rollback.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shoal.engine.distributed import ProcessGroups
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.loader import SafetensorsReader, is_gguf_path
 from shoal.engine.model_arch import ModelArch
 
 
@@ -101,6 +112,46 @@ def check_expert_parallel(arch: ModelArch, num_ranks: int) -> None:
 LocalCompute = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True, eq=False)
+class StagedLayerExperts:
+    """One MoE layer's weights for a new set of experts, in that layer's layout.
+
+    Dense: `w13` [n, 2I, H] (gate and up fused) and `w2` [n, H, I]; packed: one oneDNN-packed
+    (gate_up, down) pair per expert, those of experts the layer already held shared with it.
+    """
+
+    expert_ids: tuple[int, ...]
+    w13: torch.nn.Parameter | None = None
+    w2: torch.nn.Parameter | None = None
+    packed: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class StagedExperts:
+    """A rank's experts under a new placement, built by `ExpertParallel.stage` beside the live
+    ones; `ExpertParallel.commit` swaps them in, and dropping this object discards them."""
+
+    placement: ExpertPlacement
+    rank: int
+    layers: tuple[StagedLayerExperts, ...]  # one per MoE layer, in forward order
+
+
+class MoELayer(Protocol):
+    """What `ExpertParallel` needs of an MoE layer: a forward, and re-staging its experts."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def stage_experts(
+        self, expert_ids: Sequence[int], reader: SafetensorsReader
+    ) -> StagedLayerExperts:
+        """This layer's weights for `expert_ids`: held ones copied, the others read."""
+        ...
+
+    def commit_experts(self, staged: StagedLayerExperts) -> None:
+        """Swaps the staged weights in, releasing the old ones."""
+        ...
+
+
 class ExpertParallel:
     """One rank's side of the MoE exchange: its placement, its groups, this forward's shapes.
 
@@ -116,8 +167,9 @@ class ExpertParallel:
         self.placement = placement
         self.rank = rank
         self.groups: ProcessGroups | None = None
-        # The model's MoE layers in forward order, for forwards with no local tokens.
-        self.moe_layers: list[torch.nn.Module] = []
+        # The model's MoE layers in forward order: for forwards with no local tokens, and to
+        # re-stage their experts at a resize.
+        self.moe_layers: list[MoELayer] = []
         self.hidden_size = 0
         self.dtype = torch.float32
         self.device = torch.device("cpu")
@@ -140,7 +192,7 @@ class ExpertParallel:
     def unbind(self) -> None:
         self.groups = None
 
-    def register_layer(self, layer: torch.nn.Module, hidden_size: int) -> None:
+    def register_layer(self, layer: MoELayer, hidden_size: int) -> None:
         """Called by each MoE layer at construction, in forward order."""
         self.moe_layers.append(layer)
         self.hidden_size = hidden_size
@@ -196,3 +248,51 @@ class ExpertParallel:
             out, full, torch.distributed.ReduceScatterOptions()
         ).wait()
         return out[:num_tokens]
+
+    def stage(self, placement: ExpertPlacement, rank: int, model_path: str) -> StagedExperts:
+        """Builds every MoE layer's weights for the experts `rank` holds under `placement`.
+
+        Experts the layers hold now are copied from their live tensors; the others are read
+        from `model_path`, only their tensors. Safe on a background thread while forwards run
+        with the live experts: it reads those and writes only new tensors. The new weights
+        exist beside the old until `commit`.
+
+        Args:
+            placement: the new expert → rank table.
+            rank: this rank's index under `placement` (it may differ from `self.rank`).
+            model_path: the checkpoint (safetensors directory or file) the model was loaded from.
+
+        Returns:
+            The stage, for `commit`; dropping it discards it.
+
+        Raises:
+            ValueError: `rank` holds no expert under `placement`, or the placement is for
+                another number of experts.
+            ModelLoadError: the checkpoint lacks a needed tensor, or cannot be read.
+        """
+        if placement.num_experts != self.placement.num_experts:
+            raise ValueError(
+                f"the placement has {placement.num_experts} experts, the model "
+                f"{self.placement.num_experts}"
+            )
+        expert_ids = placement.experts_of(rank)
+        if not expert_ids:
+            raise ValueError(f"rank {rank} holds no expert under {placement.as_dict()}")
+        if is_gguf_path(model_path):
+            raise ModelLoadError(f"{model_path}: experts are re-staged from safetensors only")
+        with SafetensorsReader(model_path) as reader:
+            layers = tuple(layer.stage_experts(expert_ids, reader) for layer in self.moe_layers)
+        return StagedExperts(placement, rank, layers)
+
+    def commit(self, staged: StagedExperts) -> None:
+        """Swaps a stage in: the placement, the rank, and every layer's experts and weights.
+
+        Call on the busy-loop thread between forwards, with the rank unbound (`unbind` before,
+        `bind` to groups of the new size after). The old weights are released here.
+        """
+        assert self.groups is None, "experts are swapped only while the rank is unbound"
+        assert len(staged.layers) == len(self.moe_layers), "the stage is of another model"
+        for layer, weights in zip(self.moe_layers, staged.layers, strict=True):
+            layer.commit_experts(weights)
+        self.placement, self.rank = staged.placement, staged.rank
+        self._counts, self._valid_rows = [], None

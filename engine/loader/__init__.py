@@ -1,8 +1,9 @@
 """Checkpoint loading: a Hugging Face directory (config.json + safetensors) or a llama GGUF file.
 
 `load_model_arch` reads only metadata and, like the tokenizer, never imports torch;
-`load_weights` streams tensors under transformers names for a model to copy in by name. How a
-model shards or fuses them is the model's business.
+`load_weights` streams tensors under transformers names for a model to copy in by name, and
+`SafetensorsReader` reads chosen ones (re-staging experts). How a model shards or fuses them is
+the model's business.
 """
 
 from __future__ import annotations
@@ -15,13 +16,23 @@ from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader.builtin import smollm2_gguf_path
 from shoal.engine.loader.gguf_arch import model_arch_from_gguf
 from shoal.engine.loader.hf_config import model_arch_from_hf_dir
-from shoal.engine.loader.safetensors_loader import iter_safetensors_weights, weight_files
+from shoal.engine.loader.safetensors_loader import (
+    SafetensorsReader,
+    iter_safetensors_weights,
+    weight_files,
+)
 from shoal.engine.model_arch import ModelArch
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["is_gguf_path", "load_model_arch", "load_weights", "smollm2_gguf_path"]
+__all__ = [
+    "SafetensorsReader",
+    "is_gguf_path",
+    "load_model_arch",
+    "load_weights",
+    "smollm2_gguf_path",
+]
 
 
 def is_gguf_path(path: str) -> bool:

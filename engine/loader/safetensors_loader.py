@@ -1,14 +1,17 @@
 """Weights of a Hugging Face checkpoint directory: one model.safetensors or indexed shards.
 
 Finds and validates the weight files, then streams `(name, tensor)` pairs under the names the
-checkpoint stores, in its stored dtype. It does not know which model consumes them.
+checkpoint stores, in its stored dtype; `SafetensorsReader` reads chosen tensors (or one row of
+one) by name instead. It does not know which model consumes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
@@ -87,3 +90,84 @@ def _iter_file(file: Path, expected: set[str] | None) -> Iterator[tuple[str, tor
         raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({exc})") from exc
     except OSError as exc:
         raise ModelLoadError(f"{file}: cannot read ({exc})") from exc
+
+
+class SafetensorsReader:
+    """Reads chosen tensors of a safetensors checkpoint by name, leaving the others on disk.
+
+    The names come from the index (a sharded checkpoint) or the file's header; a shard is opened
+    when a tensor in it is first read, and stays open until `close` (or the end of a `with`).
+
+    Args:
+        path: a checkpoint directory (model.safetensors or indexed shards) or one
+            .safetensors file.
+
+    Raises:
+        ModelLoadError: no weights, a malformed index, a missing or unreadable file.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        location = Path(path)
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+        if location.is_dir():
+            files, weight_map = weight_files(location)
+        elif location.is_file():
+            files, weight_map = [location], None
+        else:
+            raise ModelLoadError(f"{path}: no such file or directory")
+        if weight_map is None:
+            self._file_of = dict.fromkeys(self._open(files[0]).keys(), files[0])
+        else:
+            self._file_of = {name: location / shard for name, shard in weight_map.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name`, or with `index` only its row `tensor[index]` (the rest unread).
+
+        Raises:
+            ModelLoadError: no such tensor, an index past its first dimension, a corrupt file.
+        """
+        file = self._file_of.get(name)
+        if file is None:
+            raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
+        handle = self._open(file)
+        try:
+            if index is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[index]
+        except IndexError as exc:
+            raise ModelLoadError(f"{file}: {name}[{index}] is out of range ({exc})") from exc
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{file}: cannot read {name} ({exc})") from exc
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _open(self, file: Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            except SafetensorError as exc:
+                raise ModelLoadError(
+                    f"{file}: corrupt or truncated safetensors file ({exc})"
+                ) from exc
+            except OSError as exc:
+                raise ModelLoadError(f"{file}: cannot read ({exc})") from exc
+            self._handles[file] = handle
+        return handle

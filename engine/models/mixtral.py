@@ -3,20 +3,23 @@
 Each expert runs only over the tokens routed to it (index_select / index_add). `MixtralExperts`
 holds any subset of the experts (a rank's share under expert parallelism); with an
 `ExpertParallel` context, `MixtralMoE` runs its router and local experts over every rank's
-tokens through the exchange (`shoal.engine.expert_parallel`), which sums the ranks' shares.
+tokens through the exchange (`shoal.engine.expert_parallel`), which sums the ranks' shares. At
+a resize, `MixtralExperts.stage` / `commit` re-shard a layer to another set of experts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.attention import AttentionMetadata
-from shoal.engine.expert_parallel import ExpertParallel
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.expert_parallel import ExpertParallel, StagedLayerExperts
+from shoal.engine.loader import SafetensorsReader
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models.layers import (
     FeedForward,
@@ -28,7 +31,7 @@ from shoal.engine.models.layers import (
     packed_linear,
     silu_and_mul,
 )
-from shoal.engine.models.llama import LlamaForCausalLM
+from shoal.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class MixtralExperts(nn.Module):
@@ -58,6 +61,8 @@ class MixtralExperts(nn.Module):
         assert all(0 <= e < num_experts for e in self.expert_ids), "expert id out of range"
         assert len(set(self.expert_ids)) == len(self.expert_ids), "duplicate expert ids"
         self.intermediate_size = intermediate_size
+        self.hidden_size = hidden_size
+        self.dtype, self.device = dtype, device
         num_local = len(self.expert_ids)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.w13 = empty_param(num_local, 2 * intermediate_size, hidden_size, **kw)
@@ -115,11 +120,88 @@ class MixtralExperts(nn.Module):
         ]
         del self.w13, self.w2
 
+    def stage(
+        self, expert_ids: Sequence[int], prefix: str, reader: SafetensorsReader
+    ) -> StagedLayerExperts:
+        """Weights for holding `expert_ids` instead, built beside the live ones.
+
+        Held experts are copied from the live tensors (packed ones are shared: never written);
+        the others are read from `reader` under the names `weight_map` accepts (per-expert, else
+        the fused transformers-5 tensors, one row each), and packed if this layer is. Reads the
+        live weights only, so forwards may run meanwhile on another thread.
+
+        Args:
+            expert_ids: the experts to hold, any order.
+            prefix: the decoder layer's checkpoint prefix, e.g. "model.layers.3".
+            reader: the checkpoint.
+
+        Raises:
+            ValueError: an expert id out of range or repeated, or none.
+            ModelLoadError: a needed tensor is missing or has the wrong shape.
+        """
+        new_ids = sorted(expert_ids)
+        if not new_ids or len(set(new_ids)) != len(new_ids):
+            raise ValueError(f"a layer holds one or more distinct experts, not {new_ids}")
+        if not all(0 <= e < self.num_experts for e in new_ids):
+            raise ValueError(f"expert ids {new_ids} outside [0, {self.num_experts})")
+        local_of = {e: i for i, e in enumerate(self.expert_ids)}
+        with torch.no_grad():
+            if self.packed is not None:
+                packed = tuple(
+                    self.packed[local_of[e]]
+                    if e in local_of
+                    else _pack_pair(self._read_expert(e, prefix, reader))
+                    for e in new_ids
+                )
+                return StagedLayerExperts(tuple(new_ids), packed=packed)
+            kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+            w13 = empty_param(len(new_ids), 2 * self.intermediate_size, self.hidden_size, **kw)
+            w2 = empty_param(len(new_ids), self.hidden_size, self.intermediate_size, **kw)
+            for i, e in enumerate(new_ids):
+                local = local_of.get(e)
+                if local is None:
+                    gate_up, down = self._read_expert(e, prefix, reader)
+                else:
+                    gate_up, down = self.w13[local], self.w2[local]
+                w13[i].copy_(gate_up)
+                w2[i].copy_(down)
+        return StagedLayerExperts(tuple(new_ids), w13=w13, w2=w2)
+
+    def commit(self, staged: StagedLayerExperts) -> None:
+        """Swaps in a stage of this layer; the old weights are no longer referenced here."""
+        assert (staged.packed is None) == (self.packed is None), "stage and layer layouts differ"
+        if staged.packed is not None:
+            self.packed = list(staged.packed)
+        else:
+            assert staged.w13 is not None and staged.w2 is not None, "a dense stage has weights"
+            self.w13, self.w2 = staged.w13, staged.w2
+        self.expert_ids = list(staged.expert_ids)
+
+    def _read_expert(
+        self, expert: int, prefix: str, reader: SafetensorsReader
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert from the checkpoint, in this dtype."""
+        size, hidden = self.intermediate_size, self.hidden_size
+        base = f"{prefix}.block_sparse_moe.experts.{expert}"
+        fused = f"{prefix}.mlp.experts"
+        if f"{base}.w1.weight" in reader:
+            gate = _checked(reader, f"{base}.w1.weight", (size, hidden))
+            up = _checked(reader, f"{base}.w3.weight", (size, hidden))
+            gate_up = torch.cat([gate, up])
+            down = _checked(reader, f"{base}.w2.weight", (hidden, size))
+        elif f"{fused}.gate_up_proj" in reader:
+            gate_up = _checked(reader, f"{fused}.gate_up_proj", (2 * size, hidden), expert)
+            down = _checked(reader, f"{fused}.down_proj", (hidden, size), expert)
+        else:
+            raise ModelLoadError(f"the checkpoint has no weights of expert {expert} in {prefix}")
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
+        return gate_up.to(**kw), down.to(**kw)
+
     def weight_map(self, prefix: str) -> WeightMap:
         """Per-expert names `{prefix}.block_sparse_moe.experts.{e}.w1|w2|w3.weight` (saved
         checkpoints) or fused `{prefix}.mlp.experts.gate_up_proj|down_proj` (transformers 5
         state_dict). Experts outside the local range are accepted and dropped."""
-        size, hidden = self.intermediate_size, self.w13.shape[2]
+        size, hidden = self.intermediate_size, self.hidden_size
         local_of = {e: i for i, e in enumerate(self.expert_ids)}
         wm = WeightMap()
         w13_names, w2_names = [], []
@@ -154,6 +236,20 @@ class MixtralExperts(nn.Module):
         return wm
 
 
+def _checked(
+    reader: SafetensorsReader, name: str, shape: tuple[int, ...], index: int | None = None
+) -> torch.Tensor:
+    tensor = reader.get(name, index)
+    if tuple(tensor.shape) != shape:
+        where = name if index is None else f"{name}[{index}]"
+        raise ModelLoadError(f"tensor {where} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor
+
+
+def _pack_pair(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return pack_weight(pair[0]), pack_weight(pair[1])
+
+
 class MixtralMoE(FeedForward):
     """Router (softmax, top-k, renormalise: HF Mixtral's order, in float32) plus the experts;
     across the ranks' tokens when an `ExpertParallel` context is given."""
@@ -179,6 +275,8 @@ class MixtralMoE(FeedForward):
             dtype=dtype,
             device=device,
         )
+        # Where this layer's tensors are in the checkpoint; set by the model once it is built.
+        self.layer_prefix = ""
         if expert_parallel is not None:
             expert_parallel.register_layer(self, arch.hidden_size)
 
@@ -193,6 +291,16 @@ class MixtralMoE(FeedForward):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
         return self.experts(x, ids, weights)
+
+    def stage_experts(
+        self, expert_ids: Sequence[int], reader: SafetensorsReader
+    ) -> StagedLayerExperts:
+        """See `MixtralExperts.stage`."""
+        assert self.layer_prefix, "the model names its layers at construction"
+        return self.experts.stage(expert_ids, self.layer_prefix, reader)
+
+    def commit_experts(self, staged: StagedLayerExperts) -> None:
+        self.experts.commit(staged)
 
     def weight_map(self, layer_prefix: str) -> WeightMap:
         router_name = f"{layer_prefix}.block_sparse_moe.gate.weight"
@@ -227,6 +335,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         if expert_parallel is not None:
             expert_parallel.dtype, expert_parallel.device = dtype, torch.device(device)
         super().__init__(arch, max_position=max_position, dtype=dtype, device=device)
+        for i, layer in enumerate(self.layers):
+            # The prefix `LlamaForCausalLM.weight_map` gives layer i, for re-staging experts.
+            cast(MixtralMoE, cast(DecoderLayer, layer).mlp).layer_prefix = f"model.layers.{i}"
 
     def _make_mlp(
         self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device
