@@ -19,10 +19,12 @@ import ray
 
 from shoal.actors.membership import Membership
 from shoal.actors.registry import REGISTRY_NAME
+from shoal.actors.scale_state import EngineStart
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import EngineCoreProc
 from shoal.engine.curve import CurveKeyPair, EngineKeys
 from shoal.engine.distributed import Rendezvous
+from shoal.engine.elastic import ScaleNotice, ScalePlan
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
 from shoal.engine.loader import load_model_arch
@@ -77,6 +79,10 @@ class EngineCoreActor:
             self._tokenizer = e
         registry: Any = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         membership: Membership = ray.get(registry.membership.remote())
+        # The set this rank serves in now (a cluster resized since launch, or a resize that
+        # started this rank), as the registry keeps it: a restarted rank reads it again.
+        start: EngineStart = ray.get(registry.engine_start.remote(rank))
+        config = start.config
         node_ip = host or ray.util.get_node_ip_address()
         # A new identity per incarnation: clients must never confuse a restarted rank's
         # connection with the dead one's.
@@ -94,8 +100,9 @@ class EngineCoreActor:
             host=node_ip,
             identity=identity,
             stats_address=membership.stats_report_address,
-            rendezvous=_ep_rendezvous(registry, config, node_ip, namespace),
+            rendezvous=_ep_rendezvous(registry, config, node_ip, start.group_name, rank),
             keys=keys,
+            joining=start.joining,
         )
         self.endpoint: EngineEndpoint = self.proc.endpoint
         self._busy_loop = threading.Thread(
@@ -173,6 +180,32 @@ class EngineCoreActor:
         """Pushes stats reports to `address` from now on (the coordinator moved)."""
         self.proc.set_stats_address(address)
 
+    # --- resizes (`shoal.cluster.elastic` drives them; `shoal.engine.elastic` has the states) --
+
+    def prepare_scale(self, plan: ScalePlan) -> None:
+        """Starts staging this rank's part of `plan` while it keeps serving."""
+        self.proc.elastic.prepare(plan)
+
+    def request_switch(self, epoch: int) -> None:
+        """Lets the rank switch to resize `epoch` once staged, at a forward all ranks agree."""
+        self.proc.elastic.request_switch(epoch)
+
+    def leave(self, epoch: int) -> None:
+        """A dense rank leaves the set: its requests are released to their clients."""
+        self.proc.elastic.leave(epoch)
+
+    def cancel_scale(self, epoch: int) -> None:
+        """Resize `epoch` is rolled back on this rank."""
+        self.proc.elastic.cancel(epoch)
+
+    def wait_switched(self, epoch: int, timeout_s: float) -> tuple[str, str] | None:
+        """This rank's outcome of resize `epoch` (see `SwitchOutcome`), or None at the timeout."""
+        return self.proc.elastic.wait(epoch, timeout_s)
+
+    def notify_clients(self, kind: str, notice: ScaleNotice) -> None:
+        """Sends an elastic notification to every client attached here."""
+        self.proc.notify_clients(kind, notice)
+
     def wait_for_exit(self) -> None:
         """Blocks until the busy loop ends on purpose (`shutdown`).
 
@@ -188,7 +221,7 @@ class EngineCoreActor:
 
 
 def _ep_rendezvous(
-    registry: Any, config: EngineConfig, node_ip: str, namespace: str
+    registry: Any, config: EngineConfig, node_ip: str, group_name: str, rank: int
 ) -> Rendezvous | None:
     """Where this rank forms its expert-parallel groups (from the registry), if it is EP.
 
@@ -202,5 +235,5 @@ def _ep_rendezvous(
     check_expert_parallel(arch, parallel.data_parallel_size)
     placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
     table = list(placement.expert_to_rank)
-    host, port = ray.get(registry.ep_rendezvous.remote(node_ip, table))
-    return Rendezvous(host, port, group_name=namespace, bind_host=node_ip)
+    host, port = ray.get(registry.ep_rendezvous.remote(node_ip, rank, table))
+    return Rendezvous(host, port, group_name=group_name, bind_host=node_ip)

@@ -14,9 +14,10 @@ from shoal.engine.protocol import EngineEndpoint
 
 
 class RankState(enum.StrEnum):
-    """Life of one rank. STARTING → READY → (DEAD → READY)* → LEAVING → removed."""
+    """Life of one rank. STARTING → [JOINING →] READY → (DEAD → READY)* → LEAVING → removed."""
 
     STARTING = "starting"  # actor created, engine not yet bound
+    JOINING = "joining"  # started by an expert-parallel resize; serves once it commits
     READY = "ready"  # endpoint registered, serving
     DEAD = "dead"  # actor died; Ray may restart it, then it registers again
     LEAVING = "leaving"  # elastic scale-down: clients stop routing to it

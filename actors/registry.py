@@ -35,7 +35,17 @@ from shoal.actors.engine_liveness import (
 )
 from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
 from shoal.actors.rendezvous import RendezvousServer
+from shoal.actors.scale_state import (
+    SCALE_HISTORY,
+    SCALE_LEASE_S,
+    EngineStart,
+    ScaleEvent,
+    ScaleInProgressError,
+    ScaleRecord,
+)
 from shoal.engine.config import EngineConfig
+from shoal.engine.distributed import ABORT_KEY
+from shoal.engine.elastic import ScalePlan
 from shoal.engine.protocol import EngineEndpoint
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,8 @@ REGISTRY_NAME = "shoal-registry"
 # GCS key-value key (in the cluster's namespace) of the registry's saved state.
 STATE_KEY = "shoal-registry-state"
 
+# Rank states whose engine is registered and alive (clients may hold it; the actor is watched).
+_SERVING = (RankState.READY, RankState.JOINING, RankState.LEAVING)
 # A client that has not long-polled or heartbeated for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
 # How long an attach waits for the serving engines and the coordinator to admit its key.
@@ -66,6 +78,12 @@ class _State:
     # silent client is pruned, since its index is never given to anyone else).
     coordinator_public_key: bytes | None = None
     client_keys: dict[int, bytes] = field(default_factory=dict)
+    # Resizes: the one holding the scale lock, the last epoch handed out, the rendezvous
+    # prefix of the current set's groups (None: the namespace), and the past scales.
+    scale: ScaleRecord | None = None
+    scale_epoch: int = 0
+    ep_group_name: str | None = None
+    scale_history: list[ScaleEvent] = field(default_factory=list)
 
 
 class RegistryActor:
@@ -116,7 +134,8 @@ class RegistryActor:
     async def register_engine(self, endpoint: EngineEndpoint, node_ip: str) -> int:
         """Called by an engine actor once its sockets are bound (again after every restart).
 
-        The rank becomes READY (a LEAVING rank stays LEAVING) and its actor is watched from
+        The rank becomes READY (a LEAVING rank stays LEAVING, and a rank that an
+        expert-parallel resize started is JOINING until the resize commits) and its actor is watched from
         now on: when the actor dies, the rank turns DEAD.
 
         Returns:
@@ -129,7 +148,11 @@ class RegistryActor:
         if rank not in self._state.ranks:
             raise KeyError(f"rank {rank} is not planned in namespace {self.namespace!r}")
         info = self._state.ranks[rank]
-        state = RankState.LEAVING if info.state == RankState.LEAVING else RankState.READY
+        state = RankState.READY
+        if info.state == RankState.LEAVING:
+            state = RankState.LEAVING
+        elif (plan := self._joining_plan(rank)) is not None and plan.expert_to_rank is not None:
+            state = RankState.JOINING  # routable once its resize commits
         incarnation = info.incarnation + 1
         self._set_rank(
             replace(info, state=state, incarnation=incarnation, endpoint=endpoint, node_ip=node_ip)
@@ -344,6 +367,8 @@ class RegistryActor:
             "stopping": s.stopping,
             "stats_publish_address": s.stats_publish_address,
             "expert_parallel": _expert_parallel_status(s.ep_placement),
+            "scaling": _scaling_status(s.scale),
+            "scale_history": [msgspec.to_builtins(e) for e in s.scale_history],
             "ranks": [
                 {
                     "rank": r.rank,
@@ -366,7 +391,136 @@ class RegistryActor:
             ],
         }
 
-    async def ep_rendezvous(self, host: str, placement: list[int]) -> tuple[str, int]:
+    # --- resizes ---------------------------------------------------------------------------------
+
+    async def begin_scale(self, owner: str, to_size: int) -> tuple[int, int]:
+        """Takes the scale lock for a resize to `to_size` ranks.
+
+        Returns:
+            The resize's epoch and the current size.
+
+        Raises:
+            ScaleInProgressError: another scale holds the lock (and its lease runs).
+        """
+        s, now = self._state, time.time()
+        held = s.scale
+        if held is not None and now - held.renewed_at < SCALE_LEASE_S:
+            raise ScaleInProgressError(
+                f"a scale from {held.from_size} to {held.to_size} ranks (epoch {held.epoch}, "
+                f"by {held.owner}) is in progress: phase {held.phase}"
+            )
+        if held is not None:
+            logger.warning("scale %d's lease ran out; its lock is taken over", held.epoch)
+        s.scale_epoch += 1
+        from_size = s.config.parallel.data_parallel_size
+        s.scale = ScaleRecord(s.scale_epoch, owner, from_size, to_size, "starting", now, now)
+        self._bump()
+        return s.scale_epoch, from_size
+
+    async def set_scale_phase(
+        self,
+        epoch: int,
+        phase: str,
+        plan: ScalePlan | None = None,
+        new_ranks: list[int] | None = None,
+    ) -> None:
+        """Records the phase of the scale holding the lock (which renews its lease)."""
+        record = self._scale_record(epoch)
+        record.phase, record.renewed_at = phase, time.time()
+        if plan is not None:
+            record.plan = plan
+        if new_ranks is not None:
+            record.new_ranks = list(new_ranks)
+        self._bump()
+
+    async def commit_scale(self, epoch: int) -> int:
+        """The resize is done: the cluster's size and groups are the new set's, its new ranks
+        serve. Returns the new epoch."""
+        s = self._state
+        record = self._scale_record(epoch)
+        plan = record.plan
+        assert plan is not None, "a resize commits after its plan"
+        s.config = replace(
+            s.config, parallel=replace(s.config.parallel, data_parallel_size=plan.num_ranks)
+        )
+        if plan.expert_to_rank is not None:
+            s.ep_group_name = plan.group_name
+            s.ep_placement = list(plan.expert_to_rank)
+        for rank in record.new_ranks:
+            info = s.ranks.get(rank)
+            if info is not None and info.state == RankState.JOINING:
+                self._set_rank(replace(info, state=RankState.READY))
+        record.phase = "finishing"
+        return self._bump()
+
+    async def end_scale(self, epoch: int, outcome: str, detail: str = "") -> int:
+        """Releases the scale lock and records how the scale ended. Returns the new epoch."""
+        s = self._state
+        record = s.scale
+        if record is None or record.epoch != epoch:
+            return s.epoch
+        now = time.time()
+        event = ScaleEvent(
+            epoch,
+            record.from_size,
+            record.to_size,
+            outcome,
+            now - record.started_at,
+            detail,
+            now,
+        )
+        s.scale_history = [*s.scale_history, event][-SCALE_HISTORY:]
+        s.scale = None
+        return self._bump()
+
+    async def abort_scale_groups(self, epoch: int) -> None:
+        """Ends every join still waiting for resize `epoch`'s new set (it is rolled back)."""
+        record = self._scale_record(epoch)
+        if record.plan is not None and self._rendezvous is not None:
+            self._rendezvous.set(f"{record.plan.group_name}/{ABORT_KEY}", "1")
+
+    async def set_rank_ready(self, rank: int) -> int:
+        """A LEAVING rank serves again (its resize was rolled back). Returns the new epoch."""
+        info = self._state.ranks[rank]
+        if info.state == RankState.LEAVING:
+            self._set_rank(replace(info, state=RankState.READY))
+        return self._bump()
+
+    async def engine_start(self, rank: int) -> EngineStart:
+        """The configuration and groups a starting rank serves with (see `EngineStart`).
+
+        Raises:
+            KeyError: if the rank was never planned (or has been removed).
+        """
+        s = self._state
+        if rank not in s.ranks:
+            raise KeyError(f"rank {rank} is not planned in namespace {self.namespace!r}")
+        plan = self._joining_plan(rank)
+        if plan is None:
+            return EngineStart(s.config, s.ep_group_name or self.namespace)
+        parallel = replace(s.config.parallel, data_parallel_size=plan.num_ranks)
+        config = replace(s.config, parallel=parallel)
+        if plan.expert_to_rank is None:  # a dense rank has no groups to join
+            return EngineStart(config, s.ep_group_name or self.namespace)
+        return EngineStart(config, plan.group_name, plan)
+
+    async def scale_history(self) -> list[ScaleEvent]:
+        return list(self._state.scale_history)
+
+    def _joining_plan(self, rank: int) -> ScalePlan | None:
+        """The resize that started `rank`, while it is not committed."""
+        record = self._state.scale
+        if record is None or rank not in record.new_ranks or record.phase == "finishing":
+            return None
+        return record.plan
+
+    def _scale_record(self, epoch: int) -> ScaleRecord:
+        record = self._state.scale
+        if record is None or record.epoch != epoch:
+            raise ScaleInProgressError(f"resize {epoch} does not hold the scale lock")
+        return record
+
+    async def ep_rendezvous(self, host: str, rank: int, placement: list[int]) -> tuple[str, int]:
         """Where expert-parallel ranks form their groups: a TCPStore this actor serves.
 
         Asked by every rank as it starts (again after a restart); the ranks keep their group
@@ -375,7 +529,9 @@ class RegistryActor:
         Args:
             host: the asking rank's bind address: a loopback one keeps the store on loopback,
                 any other puts it on this node's address.
-            placement: the rank's expert -> rank table, recorded for `status`.
+            rank: the asking rank.
+            placement: its expert -> rank table, recorded for `status` (a joining rank's is
+                recorded when its resize commits).
 
         Returns:
             The store's (host, port).
@@ -383,7 +539,7 @@ class RegistryActor:
         if self._rendezvous is None:
             bind = host if host.startswith("127.") else ray.util.get_node_ip_address()
             self._rendezvous = RendezvousServer(bind)
-        if self._state.ep_placement != placement:
+        if self._joining_plan(rank) is None and self._state.ep_placement != placement:
             self._state.ep_placement = list(placement)
             self._save()
         return self._rendezvous.address()
@@ -414,7 +570,7 @@ class RegistryActor:
         state.epoch += 1
         self._state = state
         for info in state.ranks.values():
-            if info.endpoint is not None and info.state in (RankState.READY, RankState.LEAVING):
+            if info.endpoint is not None and info.state in _SERVING:
                 self._watch(info.rank, info.actor_name, info.endpoint.identity)
         logger.warning(
             "registry restarted at epoch %d: %d ranks, %d clients",
@@ -506,8 +662,7 @@ class RegistryActor:
     def _serving_engine_names(self) -> list[str]:
         """The actors of ranks that serve now (a starting or restarting rank reads the keys
         from the membership once it has registered)."""
-        serving = (RankState.READY, RankState.LEAVING)
-        return [r.actor_name for r in self._state.ranks.values() if r.state in serving]
+        return [r.actor_name for r in self._state.ranks.values() if r.state in _SERVING]
 
     async def _tell_data_plane(self, engine_names: list[str], call: Any) -> None:
         """Makes `call(actor)` on the named engines and the coordinator and waits (bounded)
@@ -538,10 +693,7 @@ class RegistryActor:
 
     def _is_serving(self, rank: int, identity: bytes) -> bool:
         """Whether `identity` is the rank's registered incarnation and the rank is not DEAD."""
-        return self._is_current(rank, identity) and self._state.ranks[rank].state in (
-            RankState.READY,
-            RankState.LEAVING,
-        )
+        return self._is_current(rank, identity) and self._state.ranks[rank].state in _SERVING
 
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)
@@ -555,3 +707,16 @@ def _expert_parallel_status(placement: list[int] | None) -> dict[str, Any] | Non
     size = max(placement) + 1
     experts = [[e for e, r in enumerate(placement) if r == rank] for rank in range(size)]
     return {"size": size, "num_experts": len(placement), "experts_per_rank": experts}
+
+
+def _scaling_status(record: ScaleRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {
+        "epoch": record.epoch,
+        "from_size": record.from_size,
+        "target_size": record.to_size,
+        "phase": record.phase,
+        "owner": record.owner,
+        "running_s": round(time.time() - record.started_at, 3),
+    }

@@ -42,5 +42,9 @@ class RendezvousServer:
             use_libuv=False,
         )
 
+    def set(self, key: str, value: str) -> None:
+        """Writes one key (e.g. the abort key of a resize's groups)."""
+        self._store.set(key, value)
+
     def address(self) -> tuple[str, int]:
         return self.host, self.port

@@ -247,11 +247,15 @@ class AsyncLLM:
                 outputs = await client.get_output_async()
             except EngineDeadError as dead:
                 alive = not client.is_terminal(dead)
-                ids = (
-                    processor.request_ids_on_engine(dead.engine_index)
-                    if alive and dead.engine_index is not None
-                    else processor.request_ids()
-                )
+                if alive and dead.engine_index is not None:
+                    # Not those the rank handed to another one before it went (a resize).
+                    ids = [
+                        rid
+                        for rid in processor.request_ids_on_engine(dead.engine_index)
+                        if client.rank_of(rid) in (None, dead.engine_index)
+                    ]
+                else:
+                    ids = processor.request_ids()
                 processor.fail_requests(ids, dead)
                 if not alive:
                     self._dead_error = dead
@@ -297,6 +301,35 @@ class AsyncLLM:
         self._check_loop()
         result: bool = await self.engine_core.call_utility_async("reset_prefix_cache")
         return result
+
+    async def scale_elastic_ep(self, new_data_parallel_size: int, **kwargs: Any) -> dict[str, Any]:
+        """Resizes the attached cluster to `new_data_parallel_size` ranks while it serves
+        (expert-parallel or dense; `shoal.cluster.elastic` has the steps and guarantees), and
+        returns once this client routes over the new set.
+
+        Args:
+            new_data_parallel_size: the number of ranks after the resize.
+            **kwargs: passed to `shoal.cluster.elastic.scale` (e.g. `switch_timeout_s`).
+
+        Returns:
+            The resize's report (epoch, sizes, outcome, seconds per phase).
+
+        Raises:
+            RuntimeError: this client is not attached to a cluster (`AsyncLLM.connect`).
+            ValueError: a size the model cannot be served at.
+            ScaleInProgressError: another resize is in progress.
+            ScaleError: the resize failed and was rolled back.
+        """
+        if self._link is None:
+            raise RuntimeError(
+                "scale_elastic_ep needs a client attached to a cluster (AsyncLLM.connect)"
+            )
+        report = await self._link.scale(new_data_parallel_size, **kwargs)
+        return report.as_dict()
+
+    async def is_scaling_elastic_ep(self) -> bool:
+        """Whether a resize of the attached cluster is in progress (False without one)."""
+        return self._link is not None and await self._link.is_scaling()
 
     async def shutdown(self) -> None:
         """Ends every open stream, stops the output handler, detaches from the engines (and

@@ -16,14 +16,17 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Collection
+from typing import Any
 
 import ray
 
-from shoal.actors.membership import Membership
+from shoal.actors.membership import Membership, RankState
 from shoal.client.dp_client import DPLBAsyncMPClient
 from shoal.client.engine_client import EngineSetClient
 from shoal.client.lb_policy import POLICIES
 from shoal.client.mp_client import EngineAttachError
+from shoal.cluster import elastic
+from shoal.cluster.elastic import ScaleReport
 from shoal.cluster.launch import (
     ClusterHandle,
     ClusterNotFoundError,
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 WATCH_POLL_S = 2.0
 # How long a rank may leave this client's HELLO unanswered before it is reported lost.
 ATTACH_TIMEOUT_S = 10.0
+# How long a client may take, after a resize commits, to route over exactly the new set.
+CONVERGE_TIMEOUT_S = 30.0
 # While waiting for a cluster to be launched or a rank to serve: how often to look.
 _READY_POLL_S = 0.2
 
@@ -69,6 +74,8 @@ class ClusterLink:
         self._engine_lost = asyncio.Event()
         lost = self._engine_lost  # the client holds the event, not this link
         client.add_engine_lost_listener(lambda _rank: lost.set())
+        # An elastic notification: the membership changed, so the watch reads it at once.
+        client.add_scale_listener(lambda _kind, _notice: lost.set())
         self._task = asyncio.create_task(self._watch(), name="ClusterMembershipWatch")
 
     @classmethod
@@ -175,6 +182,35 @@ class ClusterLink:
                     return tokenizer
             raise
 
+    async def scale(self, new_size: int, **kwargs: Any) -> ScaleReport:
+        """Resizes the cluster (`shoal.cluster.elastic.scale`, in a thread), then waits until
+        this client routes over exactly the new set of ranks.
+
+        Raises:
+            ValueError, ScaleInProgressError, ScaleError: as `scale` raises them.
+            TimeoutError: the resize committed, but this client did not attach to every rank
+                of the new set in time.
+        """
+        report = await asyncio.to_thread(
+            elastic.scale, self.cluster, new_size, owner=self.name, **kwargs
+        )
+        self._engine_lost.set()  # read the membership now
+        wanted = list(range(new_size))
+        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        while sorted(self.client.lb_engines) != wanted:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"the cluster has {new_size} ranks, but this client routes over "
+                    f"{self.client.lb_engines}"
+                )
+            await asyncio.sleep(_READY_POLL_S / 4)
+        return report
+
+    async def is_scaling(self) -> bool:
+        """Whether a resize holds the cluster's scale lock now."""
+        status: dict[str, Any] = await self.registry.status.remote()
+        return status.get("scaling") is not None
+
     async def shutdown(self) -> None:
         """`close`, then shuts the client down."""
         await self.close()
@@ -272,16 +308,27 @@ class ClusterLink:
     ) -> list[asyncio.Task[None]]:
         """Brings this client's engine set in line with the membership.
 
-        Drops ranks the membership no longer lists as this client knows them; starts, each in
-        a task, a HELLO to every listed rank this client lacks and a repeated HELLO to the
+        Drains ranks the membership lists as LEAVING (their requests still stream, or are
+        handed over); drops ranks it no longer lists as this client knows them; starts, each
+        in a task, a HELLO to every listed rank this client lacks and a repeated HELLO to the
         `reattach` ranks (lost on this client's side only). Returns the tasks it started.
         """
         wanted = {e.engine_index: e for e in membership.routable_endpoints()}
+        leaving = {
+            rank: info.endpoint.identity
+            for rank, info in membership.ranks.items()
+            if info.state == RankState.LEAVING and info.endpoint is not None
+        }
         for rank, endpoint in self.client.endpoints().items():
+            if leaving.get(rank) == endpoint.identity:
+                self.client.set_rank_draining(rank, True)
+                continue
             current = wanted.get(rank)
             if current is None or current.identity != endpoint.identity:
                 logger.info("rank %d left or restarted; detaching", rank)
                 self.client.remove_engine(rank)  # fails its HELLO too, if one is pending
+            else:  # serving (again: a resize that was rolled back)
+                self.client.set_rank_draining(rank, False)
         started = []
         for rank, endpoint in wanted.items():
             hello: Awaitable[EngineFacts]
@@ -326,10 +373,11 @@ class ClusterLink:
         """
         reported, kept = False, list[int]()
         endpoints = self.client.endpoints()
+        leaving = {r for r, i in self.membership.ranks.items() if i.state == RankState.LEAVING}
         for rank in self.client.dead_ranks():
             endpoint = endpoints.get(rank)
-            if endpoint is None or endpoint.identity in self._reported_dead:
-                continue
+            if endpoint is None or endpoint.identity in self._reported_dead or rank in leaving:
+                continue  # a leaving rank's end is expected
             reported = True
             self._reported_dead.add(endpoint.identity)
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,17 +25,22 @@ from shoal.client.async_engine_set import wait_for_engines
 from shoal.client.async_mp_client import AsyncMPClient
 from shoal.client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
 from shoal.client.routing import RequestRouter
+from shoal.engine.elastic import RECONFIGURED, SHUTDOWN_COMPLETE, ScaleNotice
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     DPStatsSnapshot,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineEndpoint,
     EngineStatsReport,
+    FinishReason,
     SchedulerStats,
 )
 
 logger = logging.getLogger(__name__)
+
+_NOTICES_KEPT = 256
 
 
 class DPAsyncMPClient(AsyncMPClient):
@@ -64,6 +70,9 @@ class DPAsyncMPClient(AsyncMPClient):
         self.stats_address = stats_address
         self.stats_server_key = stats_server_key
         self._engine_lost_listeners: list[Callable[[int], None]] = []
+        self._scale_listeners: list[Callable[[str, ScaleNotice], None]] = []
+        # The elastic notifications received, oldest first: (kind, epoch, rank).
+        self.scale_notices: deque[tuple[str, int, int]] = deque(maxlen=_NOTICES_KEPT)
         # Each attached rank's load as the coordinator last published it (`latest_stats`).
         self._latest_stats: dict[int, SchedulerStats] = {}
         super().__init__(endpoints, **kwargs)
@@ -83,6 +92,16 @@ class DPAsyncMPClient(AsyncMPClient):
         """Calls `listener(rank)` whenever this client learns it lost a rank (a cluster link
         reports it to the registry at once)."""
         self._engine_lost_listeners.append(listener)
+
+    def set_rank_draining(self, engine_index: int, is_draining: bool) -> None:
+        """Stops (or, for a resize rolled back, resumes) routing new requests to a rank; its
+        requests in flight keep streaming (see `EngineSet`)."""
+        self.engine_set.set_draining(engine_index, is_draining)
+
+    def add_scale_listener(self, listener: Callable[[str, ScaleNotice], None]) -> None:
+        """Calls `listener(kind, notice)` for every elastic notification (a cluster link
+        reads the membership again at once)."""
+        self._scale_listeners.append(listener)
 
     def _ensure_stats_update_task(self) -> None:
         """Starts the stats subscription once; the task holds the client only weakly."""
@@ -185,10 +204,36 @@ class DPAsyncMPClient(AsyncMPClient):
         self._latest_stats.pop(engine_index, None)
 
     async def eep_process_engine_core_notification(self, notification: Sequence[Any]) -> None:
-        """Handles an elastic-EP notification `(kind, payload)` sent on
-        `EEP_NOTIFICATION_CALL_ID`. No engine of this version sends one (ranks are added and
-        removed through the registry), so one that arrives is logged and dropped."""
-        logger.warning("dropped an elastic-EP notification no engine should send: %s", notification)
+        """Handles an elastic notification `(kind, ScaleNotice)` sent on
+        `EEP_NOTIFICATION_CALL_ID` (the protocol is in `shoal.engine.elastic`).
+
+        SHUTDOWN_COMPLETE: the rank takes no new requests (`_on_rank_released` hands its
+        released ones over). RECONFIGURED: a resize committed. Either way the listeners hear
+        it (a cluster link follows the registry's membership from there).
+        """
+        kind, payload = notification
+        try:
+            notice = msgspec.convert(payload, ScaleNotice)
+        except msgspec.ValidationError as e:
+            logger.warning("dropping a malformed elastic notification %r: %s", kind, e)
+            return
+        if kind not in (RECONFIGURED, SHUTDOWN_COMPLETE):
+            logger.warning("dropping an elastic notification of unknown kind %r", kind)
+            return
+        if notice.rank not in self.engine_set:
+            return  # a rank this client has let go of already
+        self.scale_notices.append((kind, notice.epoch, notice.rank))
+        logger.info(
+            "elastic notification %s from rank %d (resize %d)", kind, notice.rank, notice.epoch
+        )
+        if kind == SHUTDOWN_COMPLETE:
+            self.engine_set.set_draining(notice.rank)
+            await self._on_rank_released(notice.rank, notice.request_ids)
+        for listener in self._scale_listeners:
+            listener(kind, notice)
+
+    async def _on_rank_released(self, rank: int, request_ids: list[str]) -> None:
+        """Hook: a rank that left released these requests of this client."""
 
 
 class DPLBAsyncMPClient(DPAsyncMPClient):
@@ -255,7 +300,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         request.current_wave = self.current_wave
         endpoint = self.engine_set.endpoint(rank)
         assert endpoint is not None, "a routable rank is in the engine set"
-        self.router.on_sent(request.request_id, rank, len(request.prompt_token_ids))
+        self.router.on_sent(request.request_id, rank, len(request.prompt_token_ids), request)
         self.policy.on_sent(rank)
         try:
             await super().add_request_async(request, endpoint.identity)
@@ -276,11 +321,30 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """Keeps the in-flight map and the view of the sending rank's load current."""
         router = self.router
         for output in outputs.outputs:
-            router.on_output(output.request_id, output.finished)
+            router.on_output(output.request_id, output.finished, output.new_token_ids)
         if outputs.scheduler_stats is not None:
             self._on_rank_stats(
                 outputs.engine_index, outputs.scheduler_stats, outputs.requests_seen
             )
+
+    async def _on_rank_released(self, rank: int, request_ids: list[str]) -> None:
+        """Hands each released request to another rank, with the tokens it has so far; one
+        that cannot be placed finishes with an error."""
+        for request_id in request_ids:
+            entry = self.router.take(request_id, rank)
+            if entry is None:
+                continue  # finished or aborted meanwhile
+            try:
+                await self.add_request_async(entry.resumed_request())
+            except (EngineDeadError, RequestError) as e:
+                failed = EngineCoreOutput(
+                    request_id,
+                    finish_reason=FinishReason.ERROR,
+                    error_message=f"its rank left the cluster and no other rank took it: {e}",
+                )
+                self.outputs_queue.put_nowait(
+                    EngineCoreOutputs(engine_index=rank, outputs=[failed])
+                )
 
     def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
         if rank in self.engine_set:

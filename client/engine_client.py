@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from shoal.engine.elastic import ScaleNotice
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import (
     EngineCoreOutputs,
@@ -81,6 +82,12 @@ class EngineSetClient(EngineCoreClient, Protocol):
         """Whether dead ranks may be attached again (then no death is terminal)."""
 
     def add_engine_lost_listener(self, listener: Callable[[int], None]) -> None: ...
+
+    def add_scale_listener(self, listener: Callable[[str, ScaleNotice], None]) -> None:
+        """Hears every elastic notification (kind, notice)."""
+
+    def set_rank_draining(self, engine_index: int, is_draining: bool) -> None:
+        """Stops (or resumes) routing new requests to a rank that is leaving."""
 
     async def add_engine_async(self, endpoint: EngineEndpoint) -> EngineFacts: ...
 

@@ -5,6 +5,8 @@ process this client launched for it (if any), and its liveness. An engine moves 
 
     attach()            → ATTACHING   connected, HELLO sent, no facts yet
     set_facts()         → ATTACHED    HELLO answered: routable
+    set_draining()      → DRAINING    leaving the cluster (an elastic scale-down): its requests
+                                      still stream, new ones go elsewhere
     learn_death()       → DEAD        it sent ENGINE_CORE_DEAD, the monitor declared it lost, or
                                       it let this client go; `may_return` says whether it can
                                       come back: then a new HELLO (`begin_reattach`, then
@@ -43,6 +45,7 @@ class _Engine:
     facts: EngineFacts | None = None  # of the current attach
     is_dead: bool = False
     is_gone: bool = False  # dead, and the consumer was told it cannot return
+    is_draining: bool = False  # leaving: takes no new requests
 
 
 class EngineSet:
@@ -112,11 +115,25 @@ class EngineSet:
             return sorted(i for i, e in self._engines.items() if not e.is_dead)
 
     def routable(self) -> list[int]:
-        """The engines that take requests now: attached (facts known) and not dead, sorted."""
+        """The engines that take requests now: attached (facts known), not dead, not
+        draining, sorted."""
         with self._lock:
             return sorted(
-                i for i, e in self._engines.items() if e.facts is not None and not e.is_dead
+                i
+                for i, e in self._engines.items()
+                if e.facts is not None and not e.is_dead and not e.is_draining
             )
+
+    def is_draining(self, engine_index: int) -> bool:
+        entry = self._engines.get(engine_index)
+        return entry is not None and entry.is_draining
+
+    def set_draining(self, engine_index: int, is_draining: bool = True) -> None:
+        """Stops (or, for a resize rolled back, resumes) routing new requests to an engine."""
+        with self._lock:
+            entry = self._engines.get(engine_index)
+            if entry is not None:
+                entry.is_draining = is_draining
 
     def attached_facts(self) -> dict[int, tuple[EngineEndpoint, EngineFacts]]:
         """Each live attached engine with the facts of this client's attach there."""

@@ -11,16 +11,33 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from shoal.engine.protocol import SchedulerStats
+import msgspec
+
+from shoal.engine.protocol import EngineCoreRequest, SchedulerStats
 
 
 @dataclass
 class InFlightRequest:
-    """One of this client's requests on a rank, until it finishes or is aborted."""
+    """One of this client's requests on a rank, until it finishes or is aborted.
+
+    With `request` kept (a client of a cluster that resizes), `token_ids` collects what the
+    rank generated, so a rank that leaves can hand the request over: the same request, with
+    these tokens as already generated (`EngineCoreRequest.resumed_output_token_ids`).
+    """
 
     prompt_tokens: int
     seq: int  # this client's sends to the rank before this one
     has_output: bool = False
+    request: EngineCoreRequest | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def resumed_request(self) -> EngineCoreRequest:
+        """The request to send to another rank, continuing from where this one left it."""
+        assert self.request is not None, "only a kept request can be handed over"
+        resumed = [*self.request.resumed_output_token_ids, *self.token_ids]
+        return msgspec.structs.replace(
+            self.request, resumed_output_token_ids=resumed, data_parallel_rank=None
+        )
 
 
 @dataclass
@@ -82,13 +99,20 @@ class RequestRouter:
             load = self.loads[rank] = RankLoad()
         return load
 
-    def on_sent(self, request_id: str, rank: int, prompt_tokens: int) -> None:
+    def on_sent(
+        self,
+        request_id: str,
+        rank: int,
+        prompt_tokens: int,
+        request: EngineCoreRequest | None = None,
+    ) -> None:
+        """Records a send; keeps `request` (and from now on its tokens) if given."""
         load = self.load(rank)
-        load.in_flight[request_id] = InFlightRequest(prompt_tokens, load.num_sent)
+        load.in_flight[request_id] = InFlightRequest(prompt_tokens, load.num_sent, request=request)
         load.num_sent += 1
         self._rank_of[request_id] = rank
 
-    def on_output(self, request_id: str, finished: bool) -> None:
+    def on_output(self, request_id: str, finished: bool, new_token_ids: Sequence[int] = ()) -> None:
         rank = self._rank_of.get(request_id)
         if rank is None:
             return
@@ -97,7 +121,18 @@ class RequestRouter:
             del self._rank_of[request_id]
             del in_flight[request_id]
         else:
-            in_flight[request_id].has_output = True
+            entry = in_flight[request_id]
+            entry.has_output = True
+            if entry.request is not None:
+                entry.token_ids.extend(new_token_ids)
+
+    def take(self, request_id: str, rank: int) -> InFlightRequest | None:
+        """Forgets a request that `rank` released (to send it elsewhere); None if it is not
+        in flight there (it finished, or was aborted, meanwhile)."""
+        if self._rank_of.get(request_id) != rank:
+            return None
+        del self._rank_of[request_id]
+        return self.loads[rank].in_flight.pop(request_id)
 
     def on_aborted(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
         """Forgets aborted requests; returns those that were in flight, by rank."""

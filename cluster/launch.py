@@ -231,7 +231,7 @@ def launch(
     _require_ray(namespace)
     if _get_actor(REGISTRY_NAME, namespace) is not None:
         raise ClusterExistsError(f"a shoal cluster already runs in namespace {namespace!r}")
-    resources = resources or _default_resources()
+    resources = resources or default_resources()
     lifetime = "detached" if detached else None
     # Both are restarted by Ray when they die: the registry reads its saved state back and the
     # coordinator binds its old addresses again (see their modules).
@@ -421,7 +421,8 @@ def _require_ray(namespace: str) -> None:
         ray.init(address="auto", namespace=namespace, log_to_driver=False)
 
 
-def _default_resources() -> RankResources:
+def default_resources() -> RankResources:
+    """One GPU per rank when the cluster has GPUs, else one CPU."""
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     return RankResources(num_cpus=1, num_gpus=1 if has_gpus else 0)
 

@@ -41,9 +41,12 @@ from shoal.engine.curve import (
 )
 from shoal.engine.distributed import Rendezvous
 from shoal.engine.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
+from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan
+from shoal.engine.elastic_rank import ElasticRank
 from shoal.engine.engine_core import EngineCore
 from shoal.engine.parent_watch import exit_with_parent
 from shoal.engine.protocol import (
+    EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
     EngineEndpoint,
     EngineStatsReport,
@@ -61,6 +64,7 @@ from shoal.engine.work_items import (
     EngineDead,
     InputItem,
     MoveStats,
+    NotifyClients,
     ReportStats,
     SendOutputs,
     UtilityCall,
@@ -133,6 +137,10 @@ class EngineCoreProc:
             (tests and benchmarks that compare).
         rendezvous: where the ranks of an expert-parallel cluster meet (required then); the
             ranks step in DP waves (`shoal.engine.dp_wave`).
+        joining: the resize this rank was started for (a scale-up of an expert-parallel
+            cluster): it joins the new set's groups when its busy loop starts, as the old
+            ranks switch, instead of in the constructor. Resizes: `elastic`
+            (`shoal.engine.elastic_rank`).
 
     Raises:
         ModelLoadError, ValueError: from `EngineCore`.
@@ -158,10 +166,12 @@ class EngineCoreProc:
         stats_address: str | None = None,
         rendezvous: Rendezvous | None = None,
         keys: EngineKeys | None = None,
+        joining: ScalePlan | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
-        self._wave = _make_wave(self.engine_core, config, rendezvous)
+        self._wave = _make_wave(self.engine_core, config, rendezvous, join=joining is None)
+        self._joining = joining
         self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
         self._input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -221,6 +231,8 @@ class EngineCoreProc:
         self._orphan_ids: dict[int, set[str]] = {}
         # Attached clients as the stats reports tell them (see `EngineStatsReport`).
         self._attached_clients: set[int] = set()
+        # The last resize this rank committed: told again to every client that attaches later.
+        self._last_reconfigured: ScaleNotice | None = None
         self._attaches_seen = 0
         self._lock = threading.Lock()
         self._is_shutdown_requested = False
@@ -229,6 +241,15 @@ class EngineCoreProc:
         step_timeout_s = config.scheduler.step_timeout_s
         self._watchdog = (
             StepWatchdog(step_timeout_s, self._on_step_timeout) if step_timeout_s > 0 else None
+        )
+        self.elastic = ElasticRank(
+            self.engine_core,
+            self._wave,
+            model_path=config.model.model,
+            notify=self._notify,
+            drop_outputs=lambda client, ids: self._orphan_ids.setdefault(client, set()).update(ids),
+            attached_clients=lambda: tuple(self._attached_clients),
+            wake=lambda: self._input_queue.put(Wake()),
         )
         self._input_thread.start()
         self._output_thread.start()
@@ -298,8 +319,11 @@ class EngineCoreProc:
         if watchdog is not None:
             watchdog.start()
         try:
+            if self._joining is not None:
+                self.elastic.join_new_set(self._joining)
             while not self._is_shutdown_requested:
                 self._process_input_queue()  # (1)
+                self.elastic.poll()
                 if self._wave is not None:
                     self._run_wave_turn(self._wave)  # (2), (3) in lockstep with the peers
                 elif self.engine_core.has_unfinished_requests():
@@ -319,10 +343,17 @@ class EngineCoreProc:
             self._close()
 
     def _run_wave_turn(self, wave: DPWave) -> None:
-        """One turn under DP waves: start or join a wave, then one forward (real or dummy)."""
+        """One turn under DP waves: start or join a wave, then one forward (real or dummy);
+        a switch, when the ranks agree on one."""
         core = self.engine_core
-        wave.maybe_start(core.has_unfinished_requests())
+        elastic = self.elastic
+        if wave.has_left:  # out of the set: released requests' ends are dropped here
+            if core.has_unfinished_requests():
+                self._queue_outputs(core.step())
+            return
+        wave.maybe_start(core.has_unfinished_requests(), elastic.ready_epoch())
         if not wave.is_running:
+            elastic.after_turn()
             return
         watchdog = self._watchdog
         if watchdog is not None:
@@ -331,11 +362,12 @@ class EngineCoreProc:
         outputs = core.step()
         if wave.expert_parallel.num_forwards == num_forwards:
             wave.run_dummy_forward()
-        wave.end_turn(core.has_unfinished_requests())
+        wave.end_turn(core.has_unfinished_requests(), elastic.ready_epoch())
         if watchdog is not None:
             watchdog.step_finished()
         self._queue_outputs(outputs)
         self._is_stats_dirty = True
+        elastic.after_turn()
 
     def _process_input_queue(self) -> None:
         input_queue = self._input_queue
@@ -365,6 +397,8 @@ class EngineCoreProc:
             case AddRequest(request):
                 if request.request_id:  # an empty id is refused as it is
                     request.request_id = f"{request.client_index}/{request.request_id}"
+                if self.elastic.release_new_request(request):
+                    return
                 if self._wave is not None:
                     self._wave.note_request(request.current_wave)
                 self.engine_core.add_request(request)
@@ -383,8 +417,15 @@ class EngineCoreProc:
                 self._attached_clients.add(client_index)
                 self._attaches_seen = attach_serial
                 self._output_thread.submit(item)
+                if self._last_reconfigured is not None:  # the set this client attached to
+                    self._notify(client_index, RECONFIGURED, self._last_reconfigured)
             case SendOutputs() | MoveStats():
                 self._output_thread.submit(item)
+            case NotifyClients(kind, notice):
+                if kind == RECONFIGURED:
+                    self._last_reconfigured = notice
+                for client_index in sorted(self._attached_clients):
+                    self._notify(client_index, kind, notice)
             case EngineDead():
                 raise RuntimeError("an engine IO thread failed")
             case Wake():
@@ -397,6 +438,17 @@ class EngineCoreProc:
         except Exception as e:
             logger.info("utility call %s failed: %s", method, e)
             output = UtilityOutput(call_id=call_id, failure_message=f"{type(e).__name__}: {e}")
+        outputs = EngineCoreOutputs(engine_index=self.engine_index, utility_output=output)
+        self._output_thread.send_or_submit(client_index, outputs)
+
+    def notify_clients(self, kind: str, notice: ScaleNotice) -> None:
+        """Sends an elastic notification to every attached client (from the busy loop, after
+        every output queued before it); thread-safe."""
+        self._input_queue.put(NotifyClients(kind, notice))
+
+    def _notify(self, client_index: int, kind: str, notice: ScaleNotice) -> None:
+        result = UtilityResult([kind, msgspec.to_builtins(notice)])
+        output = UtilityOutput(call_id=EEP_NOTIFICATION_CALL_ID, result=result)
         outputs = EngineCoreOutputs(engine_index=self.engine_index, utility_output=output)
         self._output_thread.send_or_submit(client_index, outputs)
 
@@ -516,9 +568,10 @@ class EngineCoreProc:
 
 
 def _make_wave(
-    core: EngineCore, config: EngineConfig, rendezvous: Rendezvous | None
+    core: EngineCore, config: EngineConfig, rendezvous: Rendezvous | None, *, join: bool
 ) -> DPWave | None:
-    """The rank's DP waves, its groups joined, when it serves an MoE model expert-parallel.
+    """The rank's DP waves, its groups joined (if `join`), when it serves an MoE model
+    expert-parallel.
 
     Raises:
         ValueError: expert parallelism without a rendezvous.
@@ -539,7 +592,8 @@ def _make_wave(
         timeout_s=config.parallel.collective_timeout_s,
         join_timeout_s=JOIN_TIMEOUT_S,
     )
-    wave.join()
+    if join:
+        wave.join()
     return wave
 
 

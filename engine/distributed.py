@@ -12,8 +12,10 @@ Generations. Every (re)formation of the groups is one generation, numbered in th
 `generation` key; its keys live under `gen/<g>/`. A rank that starts joins the current
 generation unless it was already a member of it — then it is a restart, and it opens the next
 one. Survivors see the key move (`is_superseded`) and join the new generation too. Joining
-waits for every rank's `gen/<g>/member/<r>` key, up to a timeout; a rank that cannot join
-raises `GroupJoinError` naming itself and the peers it waited for.
+waits for every rank's `gen/<g>/member/<r>` key, up to a timeout, or until an abort key
+(`ABORT_KEY`) is set; a rank that cannot join raises `GroupJoinError` naming itself and the
+peers it waited for. A resized set of ranks forms its groups under a rendezvous prefix of its
+own (`Rendezvous.group_name`), so the old set's generations are never touched.
 
 Knows nothing of Ray, sockets or models: the caller brings the rendezvous, uses the groups.
 """
@@ -32,6 +34,9 @@ from torch.distributed import PrefixStore, Store, TCPStore
 logger = logging.getLogger(__name__)
 
 _GENERATION_KEY = "generation"
+# Set (by the control plane) in a group's store to end every join still waiting there: a
+# resize that is rolled back.
+ABORT_KEY = "aborted"
 # A c10d backend object (ProcessGroupGloo, ProcessGroupNCCL) used directly, never registered
 # as a torch process group; torch's type stubs do not declare its collectives.
 Group = Any
@@ -130,6 +135,7 @@ class ProcessGroups:
         timeout_s: float,
         join_timeout_s: float | None = None,
         generation: int | None = None,
+        abort_key: str | None = None,
     ) -> ProcessGroups:
         """Joins a generation (default: `choose_generation`) and builds both groups.
 
@@ -141,16 +147,17 @@ class ProcessGroups:
             timeout_s: how long any collective may wait for a peer.
             join_timeout_s: how long to wait for the peers to join; default `timeout_s`.
             generation: join exactly this generation (a survivor following a restart).
+            abort_key: a key that, once set in the store, ends the wait for peers.
 
         Raises:
-            GroupJoinError: a peer did not join within `timeout_s`.
+            GroupJoinError: a peer did not join within `join_timeout_s`, or `abort_key` was set.
         """
         assert 0 <= rank < world_size, f"rank {rank} outside [0, {world_size})"
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
         store = connect_store(rendezvous, join_timeout_s)
         if generation is None:
             generation = choose_generation(store, rank)
-        generation = _await_peers(store, generation, rank, world_size, join_timeout_s)
+        generation = _await_peers(store, generation, rank, world_size, join_timeout_s, abort_key)
         timeout = timedelta(seconds=timeout_s)
         gen_store = PrefixStore(f"gen/{generation}/", store)
         cpu = _gloo_group(PrefixStore("cpu/", gen_store), rank, world_size, rendezvous, timeout)
@@ -197,7 +204,12 @@ def _member_key(generation: int, rank: int) -> str:
 
 
 def _await_peers(
-    store: Store, generation: int, rank: int, world_size: int, timeout_s: float
+    store: Store,
+    generation: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    abort_key: str | None = None,
 ) -> int:
     """Announces this rank in `generation` and waits for every peer; follows a newer one.
 
@@ -217,6 +229,8 @@ def _await_peers(
             store.set(_member_key(generation, rank), "1")
             keys = [_member_key(generation, r) for r in range(world_size)]
             continue
+        if abort_key is not None and store.check([abort_key]):
+            raise GroupJoinError(f"rank {rank}: joining generation {generation} was aborted")
         if time.monotonic() >= deadline:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
             raise GroupJoinError(

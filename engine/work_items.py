@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from shoal.engine.elastic import ScaleNotice
 from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineStatsReport
 
 
@@ -77,6 +78,14 @@ class ReportStats:
 
 
 @dataclass(frozen=True, slots=True)
+class NotifyClients:
+    """An elastic notification (`shoal.engine.elastic`) for every attached client."""
+
+    kind: str
+    notice: ScaleNotice
+
+
+@dataclass(frozen=True, slots=True)
 class MoveStats:
     """Push stats reports to `address` from now on (the coordinator moved)."""
 
@@ -100,6 +109,7 @@ InputItem = (
     | AttachClient
     | DetachClient
     | SendOutputs
+    | NotifyClients
     | MoveStats
     | EngineDead
     | Wake

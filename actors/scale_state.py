@@ -1,0 +1,72 @@
+"""What the registry keeps of resizes: the scale lock with its phase, the past scales, and what
+a starting rank is told about the set it serves in.
+
+Plain dataclasses, saved with the registry's state (a registry that Ray restarts still holds
+the lock of a scale in progress, until the scale ends or its lease runs out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.elastic import ScalePlan
+
+# A scale whose driver stopped renewing it (it died) frees the lock after this long.
+SCALE_LEASE_S = 120.0
+# Past scales kept for `status` and the metrics.
+SCALE_HISTORY = 32
+
+
+class ScaleInProgressError(RuntimeError):
+    """A scale was asked for while another one holds the cluster's scale lock."""
+
+
+@dataclass
+class ScaleRecord:
+    """The scale holding the lock.
+
+    Phases: starting (new ranks start; old ones stage their experts) → switching (the ranks
+    change sets) → finishing (leaving ranks are removed, clients are told) → gone; or
+    rolling_back → gone.
+    """
+
+    epoch: int
+    owner: str
+    from_size: int
+    to_size: int
+    phase: str
+    started_at: float
+    renewed_at: float
+    plan: ScalePlan | None = None
+    new_ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScaleEvent:
+    """One finished scale: how it ended and how long it took."""
+
+    epoch: int
+    from_size: int
+    to_size: int
+    outcome: str  # "committed" or "rolled_back"
+    duration_s: float
+    detail: str = ""
+    finished_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineStart:
+    """What a starting rank needs from the registry.
+
+    Attributes:
+        config: the configuration to build the engine with (its data-parallel size is the
+            size of the set the rank joins).
+        group_name: the rendezvous prefix of that set's process groups.
+        joining: the resize the rank was started for, while it has not committed: the rank
+            joins the new set's groups as the old ranks switch.
+    """
+
+    config: EngineConfig
+    group_name: str
+    joining: ScalePlan | None = None

@@ -1,0 +1,382 @@
+"""Elastic resizes of a running cluster: `scale` takes it from N to M ranks while it serves.
+
+One function drives every door (`AsyncLLM.scale_elastic_ep`, `shoal scale`, the HTTP
+`POST /scale_elastic_ep`), from the caller's process, on the control plane only:
+
+    LOCK       the registry's scale lock and a new epoch (a second scale is refused)
+    starting   up: placement groups and actors for ranks N..M-1 start (an expert-parallel
+               cluster's new ranks load only the experts they will hold and register
+               JOINING); meanwhile every old rank stages its experts for the new placement
+               down: ranks M..N-1 turn LEAVING (clients stop routing to them at once)
+    switching  expert parallelism: every old rank is asked to switch; at one forward that
+               all of them agree on, they leave the old groups and the new set forms its
+               own; a rank outside it releases its requests. Dense: the leaving ranks
+               release their requests (no groups to change)
+    finishing  the registry commits the new size; leaving ranks' actors and placement
+               groups are removed; every rank of the new set tells its clients RECONFIGURED
+    UNLOCK
+
+Released requests move, through their clients, to a surviving rank with their tokens so far
+(`shoal.engine.elastic`). Any failure before the commit rolls back: the new set's joins are
+aborted, the old ranks go back to the old set, new actors and their placement groups are
+removed, leaving ranks serve again, the lock is released, and `ScaleError` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from shoal.actors.scale_state import ScaleInProgressError
+from shoal.cluster.launch import (
+    READY_TIMEOUT_S,
+    ClusterHandle,
+    add_ranks,
+    default_resources,
+    remove_ranks,
+)
+from shoal.cluster.placement import PlacementStrategy, RankResources
+from shoal.engine.config import EngineConfig
+from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
+from shoal.engine.loader import load_model_arch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScaleError", "ScaleInProgressError", "ScaleReport", "scale"]
+
+# How long the new set may take to form at the switch before the resize is rolled back.
+SWITCH_TIMEOUT_S = 60.0
+# How long the old ranks may take to stage their experts.
+STAGE_TIMEOUT_S = 300.0
+_CONTROL_TIMEOUT_S = 30.0
+
+
+class ScaleError(RuntimeError):
+    """A resize failed and was rolled back: the cluster serves at its old size."""
+
+
+@dataclass
+class ScaleReport:
+    """What one resize did, with the time of each phase (seconds)."""
+
+    epoch: int
+    from_size: int
+    to_size: int
+    outcome: str
+    phases: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "from_size": self.from_size,
+            "to_size": self.to_size,
+            "outcome": self.outcome,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "total_s": round(self.total_s, 3),
+        }
+
+
+def scale(
+    handle: ClusterHandle,
+    new_size: int,
+    *,
+    owner: str = "",
+    resources: RankResources | None = None,
+    placement_strategy: PlacementStrategy = "pack",
+    host: str | None = None,
+    detached: bool = False,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    switch_timeout_s: float = SWITCH_TIMEOUT_S,
+) -> ScaleReport:
+    """Resizes the cluster to `new_size` ranks while it serves (blocks until done).
+
+    Args:
+        handle: the cluster.
+        new_size: the number of ranks after the resize.
+        owner: who asks (shown by `shoal status` while it runs).
+        resources, placement_strategy, host, detached: for new ranks, as for `launch`.
+        ready_timeout_s: how long new ranks may take to be placed and start.
+        switch_timeout_s: how long the new set may take to form at the switch.
+
+    Returns:
+        The resize's report (its outcome "committed", or "unchanged" at the same size).
+
+    Raises:
+        ValueError: a size the model cannot be served at (checked before anything starts).
+        ScaleInProgressError: another resize holds the cluster's scale lock.
+        ScaleError: the resize failed and was rolled back.
+    """
+    membership = handle.membership()
+    config = membership.config
+    _check_size(config, new_size)
+    start = time.monotonic()
+    epoch, from_size = ray.get(handle.registry.begin_scale.remote(owner, new_size))
+    report = ScaleReport(epoch, from_size, new_size, "unchanged")
+    if new_size == from_size:
+        ray.get(handle.registry.end_scale.remote(epoch, "unchanged"))
+        return report
+    resize = _Resize(handle, config, epoch, from_size, new_size, switch_timeout_s, report)
+    logger.info("resize %d: %d → %d ranks (by %s)", epoch, from_size, new_size, owner or "?")
+    try:
+        if new_size > from_size:
+            resize.scale_up(
+                resources or default_resources(),
+                placement_strategy,
+                host=host,
+                detached=detached,
+                ready_timeout_s=ready_timeout_s,
+            )
+        else:
+            resize.scale_down()
+    except BaseException as e:
+        resize.roll_back(e)
+        report.outcome = "rolled_back"
+        report.total_s = time.monotonic() - start
+        _end(handle, epoch, "rolled_back", f"{type(e).__name__}: {e}")
+        logger.error(
+            "resize %d: %d → %d ranks rolled back after %.2f s (%s); phases %s",
+            epoch,
+            from_size,
+            new_size,
+            report.total_s,
+            e,
+            report.as_dict()["phases"],
+        )
+        if isinstance(e, ScaleError):
+            raise
+        raise ScaleError(
+            f"the scale from {from_size} to {new_size} ranks failed and was rolled back: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    report.outcome = "committed"
+    report.total_s = time.monotonic() - start
+    _end(handle, epoch, "committed")
+    logger.info(
+        "resize %d: %d → %d ranks committed in %.2f s; phases %s",
+        epoch,
+        from_size,
+        new_size,
+        report.total_s,
+        report.as_dict()["phases"],
+    )
+    return report
+
+
+def _check_size(config: EngineConfig, new_size: int) -> None:
+    if new_size < 1:
+        raise ValueError(f"a cluster needs at least one rank, not {new_size}")
+    if not config.parallel.enable_expert_parallel:
+        return
+    if new_size < 2:
+        raise ValueError(
+            "an expert-parallel cluster resizes between 2 and its number of experts ranks"
+        )
+    try:
+        arch = load_model_arch(config.model.model)
+    except ModelLoadError:
+        return  # another node's path: the new ranks check it as they start
+    check_expert_parallel(arch, new_size)
+
+
+def _end(handle: ClusterHandle, epoch: int, outcome: str, detail: str = "") -> None:
+    try:
+        ray.get(handle.registry.end_scale.remote(epoch, outcome, detail), timeout=30)
+    except Exception as e:  # the lease frees the lock anyway
+        logger.warning("resize %d: could not release the scale lock: %s", epoch, e)
+
+
+class _Resize:
+    """The steps of one resize (the module docstring is the order)."""
+
+    def __init__(
+        self,
+        handle: ClusterHandle,
+        config: EngineConfig,
+        epoch: int,
+        from_size: int,
+        to_size: int,
+        switch_timeout_s: float,
+        report: ScaleReport,
+    ) -> None:
+        self.handle = handle
+        self.registry = handle.registry
+        self.config = config
+        self.epoch = epoch
+        self.from_size = from_size
+        self.to_size = to_size
+        self.is_expert_parallel = config.parallel.enable_expert_parallel
+        self.report = report
+        self.new_ranks: list[int] = []
+        self.leaving: list[int] = []
+        self.prepared: list[int] = []
+        self._phase_start = time.monotonic()
+        self._phase = "starting"
+        table = None
+        if self.is_expert_parallel:
+            arch = load_model_arch(config.model.model)
+            table = ExpertPlacement.contiguous(arch.num_local_experts, to_size).expert_to_rank
+        self.plan = ScalePlan(
+            epoch,
+            to_size,
+            group_name=f"{handle.namespace}/resize-{epoch}",
+            expert_to_rank=table,
+            switch_timeout_s=switch_timeout_s,
+        )
+
+    def _enter(self, phase: str, **kwargs: Any) -> None:
+        now = time.monotonic()
+        self.report.phases[self._phase] = now - self._phase_start
+        self._phase, self._phase_start = phase, now
+        ray.get(self.registry.set_scale_phase.remote(self.epoch, phase, **kwargs))
+
+    def _close_phase(self) -> None:
+        self.report.phases[self._phase] = time.monotonic() - self._phase_start
+
+    # --- up ---------------------------------------------------------------------------------
+
+    def scale_up(
+        self,
+        resources: RankResources,
+        placement_strategy: PlacementStrategy,
+        *,
+        host: str | None,
+        detached: bool,
+        ready_timeout_s: float,
+    ) -> None:
+        old = list(range(self.from_size))
+        self.new_ranks = list(range(self.from_size, self.to_size))
+        self._enter("starting", plan=self.plan, new_ranks=self.new_ranks)
+        if self.is_expert_parallel:  # the old ranks stage while the new ones start
+            self._prepare(old)
+        config = replace(
+            self.config,
+            parallel=replace(self.config.parallel, data_parallel_size=self.to_size),
+        )
+        add_ranks(
+            self.handle,
+            config,
+            self.new_ranks,
+            resources,
+            placement_strategy,
+            host=host,
+            detached=detached,
+            ready_timeout_s=ready_timeout_s,
+        )
+        if self.is_expert_parallel:
+            self._enter("switching")
+            self._switch(old, self.new_ranks)
+        self._enter("finishing")
+        ray.get(self.registry.commit_scale.remote(self.epoch))
+        self._notify(list(range(self.to_size)))
+        self._close_phase()
+
+    # --- down -------------------------------------------------------------------------------
+
+    def scale_down(self) -> None:
+        survivors = list(range(self.to_size))
+        self.leaving = list(range(self.to_size, self.from_size))
+        self._enter("starting", plan=self.plan)
+        # Clients stop routing to them now; their requests keep running until the switch.
+        ray.get([self.registry.set_rank_leaving.remote(r) for r in self.leaving])
+        self._enter("switching")
+        if self.is_expert_parallel:
+            self._prepare(survivors + self.leaving)
+            self._switch(survivors + self.leaving, [])
+        else:
+            calls = {r: self.handle.engine(r).leave.remote(self.epoch) for r in self.leaving}
+            ray.get(list(calls.values()), timeout=_CONTROL_TIMEOUT_S)
+            self._await_outcomes(self.leaving, [])
+        self._enter("finishing")
+        ray.get(self.registry.commit_scale.remote(self.epoch))
+        remove_ranks(self.handle, self.leaving)
+        self._notify(survivors)
+        self._close_phase()
+
+    # --- the switch -------------------------------------------------------------------------
+
+    def _prepare(self, ranks: list[int]) -> None:
+        calls = [self.handle.engine(r).prepare_scale.remote(self.plan) for r in ranks]
+        ray.get(calls, timeout=_CONTROL_TIMEOUT_S)
+        self.prepared = list(ranks)
+
+    def _switch(self, old: list[int], new: list[int]) -> None:
+        """Asks the old ranks to switch and waits for every rank's outcome."""
+        calls = [self.handle.engine(r).request_switch.remote(self.epoch) for r in old]
+        ray.get(calls, timeout=_CONTROL_TIMEOUT_S)
+        self._await_outcomes(old, new)
+
+    def _await_outcomes(self, old: list[int], new: list[int]) -> None:
+        """Every rank's outcome: COMMITTED for the new set, LEFT for leaving ranks.
+
+        Raises:
+            ScaleError: a rank rolled back, died, or did not switch in time.
+        """
+        timeout_s = STAGE_TIMEOUT_S + self.plan.switch_timeout_s
+        waits = {
+            rank: self.handle.engine(rank).wait_switched.remote(self.epoch, timeout_s)
+            for rank in [*old, *new]
+        }
+        deadline = time.monotonic() + timeout_s + _CONTROL_TIMEOUT_S
+        pending = dict(waits)
+        while pending:
+            ready, _ = ray.wait(
+                list(pending.values()), timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise ScaleError(f"ranks {sorted(pending)} did not switch in time")
+            for rank, ref in list(pending.items()):
+                if ref not in ready:
+                    continue
+                del pending[rank]
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise ScaleError(f"rank {rank} died during the switch") from e
+                expected = (
+                    SwitchOutcome.LEFT if self.plan.is_leaving(rank) else SwitchOutcome.COMMITTED
+                )
+                if result is None:
+                    raise ScaleError(f"rank {rank} did not switch in time")
+                outcome, detail = result
+                if outcome != expected.value:
+                    raise ScaleError(f"rank {rank} {outcome}: {detail}")
+
+    def _notify(self, ranks: Iterable[int]) -> None:
+        ranks = list(ranks)
+        for rank in ranks:
+            notice = ScaleNotice(self.epoch, rank, ranks=ranks)
+            _quietly(self.handle.engine(rank).notify_clients, RECONFIGURED, notice)
+
+    # --- rollback ---------------------------------------------------------------------------
+
+    def roll_back(self, error: BaseException) -> None:
+        """Back to the old set, whatever step failed (each undo is best effort)."""
+        try:
+            ray.get(self.registry.set_scale_phase.remote(self.epoch, "rolling_back"))
+        except Exception as e:
+            logger.warning("resize %d: %s", self.epoch, e)
+        _quietly(self.registry.abort_scale_groups, self.epoch)
+        for rank in self.prepared:
+            _quietly(self.handle.engine(rank).cancel_scale, self.epoch)
+        if self.new_ranks:
+            remove_ranks(self.handle, self.new_ranks)
+        for rank in self.leaving:
+            _quietly(self.registry.set_rank_ready, rank)
+        del error  # the caller reports it
+
+
+def _quietly(method: Any, *args: Any) -> None:
+    """Makes one control call (`method.remote(*args)`) and waits for it, logging (not
+    raising) a failure."""
+    try:
+        ray.get(method.remote(*args), timeout=_CONTROL_TIMEOUT_S)
+    except Exception as e:
+        logger.warning("a resize control call failed: %s", e)
