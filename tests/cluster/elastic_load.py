@@ -1,6 +1,6 @@
 """A steady streaming load for resize tests and the elastic benchmark: drivers that keep
-greedy requests in flight and record, per request, its tokens, the ranks that served it, and
-its longest gap between two streamed outputs."""
+greedy requests in flight and record, per request, its tokens and every streamed output
+(when, how many tokens, from which rank)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,15 @@ class Served:
     ranks: list[int]  # every rank that sent it outputs, in order of first appearance
     finish_reason: str | None
     error: str | None
-    num_outputs: int
     started_at: float
     finished_at: float
-    longest_gap_s: float
-    output_times: list[float] = field(default_factory=list)
+    # Every streamed output that carried tokens or the finish: (monotonic time, tokens, rank).
+    events: list[tuple[float, int, int | None]] = field(default_factory=list)
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(start, end) of each wait for the next output, from the request's start."""
+        times = [self.started_at] + [t for t, _, _ in self.events]
+        return list(itertools.pairwise(times))
 
 
 @dataclass
@@ -50,17 +54,14 @@ class Load:
         await asyncio.gather(*(worker() for _ in range(self.concurrency)))
 
     async def _one(self, prompt: list[int], params: SamplingParams) -> Served:
-        start = last = time.monotonic()
+        start = time.monotonic()
         ranks: list[int] = []
-        times: list[float] = []
-        gap, final = 0.0, None
+        events: list[tuple[float, int, int | None]] = []
+        final = None
         async for output in self.llm.generate({"prompt_token_ids": prompt}, params):
-            now = time.monotonic()
-            if output.new_token_ids or output.finished:
-                gap = max(gap, now - last)
-                last = now
-                times.append(now)
             rank = output.data_parallel_rank
+            if output.new_token_ids or output.finished:
+                events.append((time.monotonic(), len(output.new_token_ids), rank))
             if rank is not None and rank not in ranks:
                 ranks.append(rank)
             final = output
@@ -72,9 +73,7 @@ class Load:
             ranks,
             completion.finish_reason,
             final.error,
-            len(times),
             start,
             time.monotonic(),
-            gap,
-            times,
+            events,
         )

@@ -27,7 +27,8 @@ from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
 from tests.reference import GreedyTrace, assert_greedy_matches, hf_greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.slow
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 ENGINE_KWARGS: dict[str, Any] = {
     "num_gpu_blocks_override": 128,
@@ -175,6 +176,7 @@ async def _resize_under_load(
     return served
 
 
+@in_module_loop
 @pytest.mark.parametrize("drivers", ["moe_cluster"], indirect=True)
 async def test_expert_parallel_resizes_under_load_lose_nothing(
     moe_cluster: ClusterHandle, drivers: list[AsyncLLM], moe_checkpoint: str
@@ -188,6 +190,7 @@ async def test_expert_parallel_resizes_under_load_lose_nothing(
     assert status["expert_parallel"]["experts_per_rank"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+@in_module_loop
 @pytest.mark.parametrize("drivers", ["dense_cluster"], indirect=True)
 async def test_dense_resizes_under_load_lose_nothing(
     dense_cluster: ClusterHandle, drivers: list[AsyncLLM], dense_checkpoint: str
@@ -197,6 +200,7 @@ async def test_dense_resizes_under_load_lose_nothing(
     assert any(len(s.ranks) > 1 for s in served), "no request was handed over"
 
 
+@in_module_loop
 @pytest.mark.parametrize("drivers", ["moe_cluster"], indirect=True)
 async def test_a_new_rank_killed_while_joining_rolls_the_resize_back(
     moe_cluster: ClusterHandle, drivers: list[AsyncLLM]
