@@ -7,6 +7,9 @@ client reports an engine lost it probes the actor and restarts it if it hangs
 the membership and long-poll `wait_for_change` to learn of restarts and resizes. Control plane
 only: nothing here is on the per-request path, and it knows nothing of placement groups.
 
+Resizes (the scale lock, each resize's phase and commit) are its methods in
+`shoal.actors.registry_resizes`; its state is `shoal.actors.registry_state.RegistryState`.
+
 Restarts: every change is written to the GCS key-value store (as Ray Serve's controller
 checkpoints its state), and a registry that Ray restarts reads it back: ranks, endpoints,
 clients and the next client index survive, the epoch moves on so every long-poller sees a
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -34,18 +37,10 @@ from shoal.actors.engine_liveness import (
     watch_engine,
 )
 from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.actors.registry_resizes import ResizeMethods, scaling_status
+from shoal.actors.registry_state import RegistryState
 from shoal.actors.rendezvous import RendezvousServer
-from shoal.actors.scale_state import (
-    SCALE_HISTORY,
-    SCALE_LEASE_S,
-    EngineStart,
-    ScaleEvent,
-    ScaleInProgressError,
-    ScaleRecord,
-)
 from shoal.engine.config import EngineConfig
-from shoal.engine.distributed import ABORT_KEY
-from shoal.engine.elastic import ScalePlan
 from shoal.engine.protocol import EngineEndpoint
 
 logger = logging.getLogger(__name__)
@@ -62,31 +57,7 @@ CLIENT_TIMEOUT_S = 30.0
 KEY_PROPAGATION_TIMEOUT_S = 10.0
 
 
-@dataclass
-class _State:
-    config: EngineConfig
-    epoch: int = 0
-    ranks: dict[int, RankInfo] = field(default_factory=dict)
-    clients: dict[int, ClientInfo] = field(default_factory=dict)
-    next_client_index: int = 0
-    stats_publish_address: str | None = None
-    stats_report_address: str | None = None
-    stopping: bool = False
-    served_by: str | None = None
-    ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
-    # CURVE public keys: the coordinator's, and each attached client's by index (kept when a
-    # silent client is pruned, since its index is never given to anyone else).
-    coordinator_public_key: bytes | None = None
-    client_keys: dict[int, bytes] = field(default_factory=dict)
-    # Resizes: the one holding the scale lock, the last epoch handed out, the rendezvous
-    # prefix of the current set's groups (None: the namespace), and the past scales.
-    scale: ScaleRecord | None = None
-    scale_epoch: int = 0
-    ep_group_name: str | None = None
-    scale_history: list[ScaleEvent] = field(default_factory=list)
-
-
-class RegistryActor:
+class RegistryActor(ResizeMethods):
     """Async Ray actor: all methods run on one event loop, so state needs no locks.
 
     Args:
@@ -110,7 +81,7 @@ class RegistryActor:
         self.detached = detached
         self.client_timeout_s = client_timeout_s
         self.engine_probe_timeout_s = engine_probe_timeout_s
-        self._state = _State(config=config)
+        self._state = RegistryState(config=config)
         self._changed = asyncio.Event()
         self._watchers: dict[int, asyncio.Task[None]] = {}
         self._probes: dict[bytes, asyncio.Task[bool]] = {}
@@ -367,7 +338,7 @@ class RegistryActor:
             "stopping": s.stopping,
             "stats_publish_address": s.stats_publish_address,
             "expert_parallel": _expert_parallel_status(s.ep_placement),
-            "scaling": _scaling_status(s.scale),
+            "scaling": scaling_status(s.scale),
             "scale_history": [msgspec.to_builtins(e) for e in s.scale_history],
             "ranks": [
                 {
@@ -390,135 +361,6 @@ class RegistryActor:
                 for c in await self.clients()
             ],
         }
-
-    # --- resizes ---------------------------------------------------------------------------------
-
-    async def begin_scale(self, owner: str, to_size: int) -> tuple[int, int]:
-        """Takes the scale lock for a resize to `to_size` ranks.
-
-        Returns:
-            The resize's epoch and the current size.
-
-        Raises:
-            ScaleInProgressError: another scale holds the lock (and its lease runs).
-        """
-        s, now = self._state, time.time()
-        held = s.scale
-        if held is not None and now - held.renewed_at < SCALE_LEASE_S:
-            raise ScaleInProgressError(
-                f"a scale from {held.from_size} to {held.to_size} ranks (epoch {held.epoch}, "
-                f"by {held.owner}) is in progress: phase {held.phase}"
-            )
-        if held is not None:
-            logger.warning("scale %d's lease ran out; its lock is taken over", held.epoch)
-        s.scale_epoch += 1
-        from_size = s.config.parallel.data_parallel_size
-        s.scale = ScaleRecord(s.scale_epoch, owner, from_size, to_size, "starting", now, now)
-        self._bump()
-        return s.scale_epoch, from_size
-
-    async def set_scale_phase(
-        self,
-        epoch: int,
-        phase: str,
-        plan: ScalePlan | None = None,
-        new_ranks: list[int] | None = None,
-    ) -> None:
-        """Records the phase of the scale holding the lock (which renews its lease)."""
-        record = self._scale_record(epoch)
-        record.phase, record.renewed_at = phase, time.time()
-        if plan is not None:
-            record.plan = plan
-        if new_ranks is not None:
-            record.new_ranks = list(new_ranks)
-        self._bump()
-
-    async def commit_scale(self, epoch: int) -> int:
-        """The resize is done: the cluster's size and groups are the new set's, its new ranks
-        serve. Returns the new epoch."""
-        s = self._state
-        record = self._scale_record(epoch)
-        plan = record.plan
-        assert plan is not None, "a resize commits after its plan"
-        s.config = replace(
-            s.config, parallel=replace(s.config.parallel, data_parallel_size=plan.num_ranks)
-        )
-        if plan.expert_to_rank is not None:
-            s.ep_group_name = plan.group_name
-            s.ep_placement = list(plan.expert_to_rank)
-        for rank in record.new_ranks:
-            info = s.ranks.get(rank)
-            if info is not None and info.state == RankState.JOINING:
-                self._set_rank(replace(info, state=RankState.READY))
-        record.phase = "finishing"
-        return self._bump()
-
-    async def end_scale(self, epoch: int, outcome: str, detail: str = "") -> int:
-        """Releases the scale lock and records how the scale ended. Returns the new epoch."""
-        s = self._state
-        record = s.scale
-        if record is None or record.epoch != epoch:
-            return s.epoch
-        now = time.time()
-        event = ScaleEvent(
-            epoch,
-            record.from_size,
-            record.to_size,
-            outcome,
-            now - record.started_at,
-            detail,
-            now,
-        )
-        s.scale_history = [*s.scale_history, event][-SCALE_HISTORY:]
-        s.scale = None
-        return self._bump()
-
-    async def abort_scale_groups(self, epoch: int) -> None:
-        """Ends every join still waiting for resize `epoch`'s new set (it is rolled back)."""
-        record = self._scale_record(epoch)
-        if record.plan is not None and self._rendezvous is not None:
-            self._rendezvous.set(f"{record.plan.group_name}/{ABORT_KEY}", "1")
-
-    async def set_rank_ready(self, rank: int) -> int:
-        """A LEAVING rank serves again (its resize was rolled back). Returns the new epoch."""
-        info = self._state.ranks[rank]
-        if info.state == RankState.LEAVING:
-            self._set_rank(replace(info, state=RankState.READY))
-        return self._bump()
-
-    async def engine_start(self, rank: int) -> EngineStart:
-        """The configuration and groups a starting rank serves with (see `EngineStart`).
-
-        Raises:
-            KeyError: if the rank was never planned (or has been removed).
-        """
-        s = self._state
-        if rank not in s.ranks:
-            raise KeyError(f"rank {rank} is not planned in namespace {self.namespace!r}")
-        plan = self._joining_plan(rank)
-        if plan is None:
-            return EngineStart(s.config, s.ep_group_name or self.namespace)
-        parallel = replace(s.config.parallel, data_parallel_size=plan.num_ranks)
-        config = replace(s.config, parallel=parallel)
-        if plan.expert_to_rank is None:  # a dense rank has no groups to join
-            return EngineStart(config, s.ep_group_name or self.namespace)
-        return EngineStart(config, plan.group_name, plan)
-
-    async def scale_history(self) -> list[ScaleEvent]:
-        return list(self._state.scale_history)
-
-    def _joining_plan(self, rank: int) -> ScalePlan | None:
-        """The resize that started `rank`, while it is not committed."""
-        record = self._state.scale
-        if record is None or rank not in record.new_ranks or record.phase == "finishing":
-            return None
-        return record.plan
-
-    def _scale_record(self, epoch: int) -> ScaleRecord:
-        record = self._state.scale
-        if record is None or record.epoch != epoch:
-            raise ScaleInProgressError(f"resize {epoch} does not hold the scale lock")
-        return record
 
     async def ep_rendezvous(self, host: str, rank: int, placement: list[int]) -> tuple[str, int]:
         """Where expert-parallel ranks form their groups: a TCPStore this actor serves.
@@ -564,7 +406,7 @@ class RegistryActor:
         if saved is None:
             logger.warning("registry restarted without saved state; starting empty")
             return
-        state = msgspec.msgpack.decode(saved, type=_State)
+        state = msgspec.msgpack.decode(saved, type=RegistryState)
         now = time.time()
         state.clients = {i: replace(c, last_seen=now) for i, c in state.clients.items()}
         state.epoch += 1
@@ -707,16 +549,3 @@ def _expert_parallel_status(placement: list[int] | None) -> dict[str, Any] | Non
     size = max(placement) + 1
     experts = [[e for e, r in enumerate(placement) if r == rank] for rank in range(size)]
     return {"size": size, "num_experts": len(placement), "experts_per_rank": experts}
-
-
-def _scaling_status(record: ScaleRecord | None) -> dict[str, Any] | None:
-    if record is None:
-        return None
-    return {
-        "epoch": record.epoch,
-        "from_size": record.from_size,
-        "target_size": record.to_size,
-        "phase": record.phase,
-        "owner": record.owner,
-        "running_s": round(time.time() - record.started_at, 3),
-    }
