@@ -21,6 +21,7 @@ import zmq
 from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
     HELLO_RESEND_S,
+    KEY_REFUSAL_POLL_S,
     RECHECK_TIMEOUT_S,
     EngineAttachError,
     EngineIdentity,
@@ -174,13 +175,17 @@ class AsyncEngineSetMixin(MPClient):
         try:
             await _send_hello_async(router, endpoint.identity, message, deadline)
             while True:
-                wait_s = min(HELLO_RESEND_S, max(0.0, deadline - loop.time()))
-                try:
-                    facts: EngineFacts = await asyncio.wait_for(asyncio.shield(future), wait_s)
-                    return facts
-                except TimeoutError:
-                    if loop.time() >= deadline:
-                        raise
+                resend_at = min(loop.time() + HELLO_RESEND_S, deadline)
+                while loop.time() < resend_at:
+                    self._check_key_accepted(endpoint.engine_index)
+                    wait_s = min(KEY_REFUSAL_POLL_S, max(0.0, resend_at - loop.time()))
+                    try:
+                        facts: EngineFacts = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                        return facts
+                    except TimeoutError:
+                        pass
+                if loop.time() >= deadline:
+                    raise TimeoutError
                 logger.warning(
                     "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
                 )

@@ -61,7 +61,7 @@ class EngineMonitor(threading.Thread):
         ctx: a synchronous context (a shadow of the client's, in asyncio mode).
         engines: the client's engine set.
         router_monitor_address: the inproc address the input ROUTER publishes its events on
-            (HANDSHAKE_SUCCEEDED and DISCONNECTED).
+            (HANDSHAKE_SUCCEEDED, HANDSHAKE_FAILED_AUTH and DISCONNECTED).
         output_monitor_address: the same for the output PULL (DISCONNECTED).
         notify_address: the client's output (PULL) address, where notices go.
     """
@@ -155,6 +155,12 @@ class EngineMonitor(threading.Thread):
         for event, endpoint in _drain_events(events):
             engine_index = self._engines.index_of_address(endpoint.decode())
             if engine_index is None:
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                # The engine's ZAP handler refused this client's key: a HELLO waiting for it
+                # fails at once (libzmq does not try that connection again).
+                logger.error("engine %d refused this client's key at the handshake", engine_index)
+                self._engines.note_key_refused(engine_index)
                 continue
             with self._lock:
                 if event == zmq.EVENT_DISCONNECTED:

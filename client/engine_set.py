@@ -63,6 +63,9 @@ class EngineSet:
         self._engines_can_return = engines_can_return
         # Whether this client attaches again, while its process lives, an engine it launched.
         self._reattaches_launched = False
+        # Engines that refused this client's key at the CURVE handshake (the engine monitor
+        # sees it), until they are attached afresh.
+        self._key_refused: set[int] = set()
 
     # --- what the set says ------------------------------------------------------------------
 
@@ -123,6 +126,14 @@ class EngineSet:
                 for i, e in self._engines.items()
                 if e.facts is not None and not e.is_dead and not e.is_draining
             )
+
+    def note_key_refused(self, engine_index: int) -> None:
+        """The engine refused this client's key at the handshake (it was never admitted)."""
+        with self._lock:
+            self._key_refused.add(engine_index)
+
+    def is_key_refused(self, engine_index: int) -> bool:
+        return engine_index in self._key_refused
 
     def is_draining(self, engine_index: int) -> bool:
         entry = self._engines.get(engine_index)
@@ -197,6 +208,7 @@ class EngineSet:
                 raise ValueError(f"engine {index} is already attached; remove it first")
             self._engines[index] = _Engine(endpoint, process)
             self._index_of[endpoint.identity] = index
+            self._key_refused.discard(index)
 
     def set_facts(self, engine_index: int, facts: EngineFacts) -> None:
         """Records the facts of an answered HELLO (ATTACHING → ATTACHED)."""

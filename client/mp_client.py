@@ -49,6 +49,8 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 
 # How long to wait for an engine's HELLO answer before asking again.
 HELLO_RESEND_S = 2.0
+# While a HELLO waits: how often it looks whether the engine refused this client's key.
+KEY_REFUSAL_POLL_S = 0.1
 # How long a request for an engine that is being attached again waits for it.
 ENGINE_RETURN_WAIT_S = 10.0
 # How long an engine may take to answer the HELLO of a recheck (RECHECK_ATTACHED).
@@ -139,7 +141,10 @@ class MPClient:
                 self.output_socket.bind(notify_address)
             router_monitor = f"inproc://engine-router-monitor-{uuid.uuid4().hex}"
             self.input_socket.monitor(
-                router_monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                router_monitor,
+                zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_DISCONNECTED,
             )
             output_monitor = f"inproc://client-output-monitor-{uuid.uuid4().hex}"
             self.output_socket.monitor(output_monitor, zmq.EVENT_DISCONNECTED)
@@ -330,6 +335,19 @@ class MPClient:
         self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)
         self.input_socket.connect(endpoint.input_address)
 
+    def _check_key_accepted(self, engine_index: int) -> None:
+        """Fails a HELLO at once when the engine refused this client's key at the handshake.
+
+        Raises:
+            EngineAttachError: it did (the key was never admitted by the cluster).
+        """
+        if self.engine_set.is_key_refused(engine_index):
+            raise EngineAttachError(
+                f"engine {engine_index} refused this client's CURVE key at the handshake: the "
+                "key was not admitted (a client's key reaches the engines through the cluster's "
+                "registry when it attaches)"
+            )
+
     def _hello_message(self) -> tuple[int, tuple[bytes | memoryview, ...]]:
         call_id = uuid.uuid1().int >> 64
         hello = EngineHello(self.client_index, self.output_address, call_id)
@@ -374,6 +392,8 @@ class MPClient:
         # the engine answers a repeated HELLO from the same connection again.
         resend_at = time.monotonic() + HELLO_RESEND_S
         while waiting:
+            for endpoint, _ in waiting.values():
+                self._check_key_accepted(endpoint.engine_index)
             now = time.monotonic()
             if now >= deadline:
                 names = sorted(e.engine_index for e, _ in waiting.values())
@@ -385,7 +405,8 @@ class MPClient:
                     )
                     send_hello(router, endpoint.identity, message, deadline)
                 resend_at = now + HELLO_RESEND_S
-            if not pull.poll(max(1, int((min(deadline, resend_at) - now) * 1000))):
+            wait_ms = (min(deadline, resend_at, now + KEY_REFUSAL_POLL_S) - now) * 1000
+            if not pull.poll(max(1, int(wait_ms))):
                 continue
             frames = pull.recv_multipart(copy=False)
             if not self.engine_set.validate_alive(frames):

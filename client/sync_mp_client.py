@@ -22,6 +22,7 @@ from shoal.client.engine_monitor import is_recheck_notice
 from shoal.client.engine_set import EngineSet
 from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
+    KEY_REFUSAL_POLL_S,
     RECHECK_TIMEOUT_S,
     AnyFuture,
     BackgroundResources,
@@ -214,8 +215,16 @@ class SyncMPClient(MPClient):
         deadline = time.monotonic() + timeout_s
         try:
             send_hello(self.input_socket, endpoint.identity, message, deadline)
-            facts: EngineFacts = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            return facts
+            while True:
+                self._check_key_accepted(endpoint.engine_index)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"engine {endpoint.engine_index} did not answer HELLO")
+                try:
+                    facts: EngineFacts = future.result(timeout=min(KEY_REFUSAL_POLL_S, remaining))
+                    return facts
+                except concurrent.futures.TimeoutError:
+                    continue
         finally:
             self.utility_results.pop(call_id, None)
             self.utility_engines.pop(call_id, None)

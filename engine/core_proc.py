@@ -250,6 +250,7 @@ class EngineCoreProc:
             drop_outputs=lambda client, ids: self._orphan_ids.setdefault(client, set()).update(ids),
             attached_clients=lambda: tuple(self._attached_clients),
             wake=lambda: self._input_queue.put(Wake()),
+            joining=joining,
         )
         self._input_thread.start()
         self._output_thread.start()
@@ -320,7 +321,7 @@ class EngineCoreProc:
             watchdog.start()
         try:
             if self._joining is not None:
-                self.elastic.join_new_set(self._joining)
+                self.elastic.join_new_set()
             while not self._is_shutdown_requested:
                 self._process_input_queue()  # (1)
                 self.elastic.poll()

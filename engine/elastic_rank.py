@@ -51,6 +51,8 @@ class ElasticRank:
             step (released requests must not finish on this rank).
         attached_clients: the clients attached now.
         wake: wakes the busy loop.
+        joining: the resize this rank was started for (it joins the new set's groups when
+            its busy loop starts: `join_new_set`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class ElasticRank:
         drop_outputs: Callable[[int, set[str]], None],
         attached_clients: Callable[[], Collection[int]],
         wake: Callable[[], None],
+        joining: ScalePlan | None = None,
     ) -> None:
         self.core = core
         self.wave = wave
@@ -81,6 +84,8 @@ class ElasticRank:
         self._rejoin_requested = False
         self.has_left = False
         self.left_epoch = 0
+        # A joining rank's first join, tracked from the start so `wait` can be asked at once.
+        self._joined = self._track(PendingScale(joining, lambda: None)) if joining else None
 
     # --- control calls (any thread) ----------------------------------------------------------
 
@@ -169,16 +174,15 @@ class ElasticRank:
 
     # --- the busy loop -------------------------------------------------------------------------
 
-    def join_new_set(self, plan: ScalePlan) -> None:
+    def join_new_set(self) -> None:
         """A joining rank's first join: the new set's groups, when the old ranks switch.
 
         Raises:
             GroupJoinError: the set did not form (the resize is rolled back; this rank is
                 removed).
         """
-        assert self.wave is not None, "only an expert-parallel rank joins groups"
-        with self._lock:
-            joined = self._track(PendingScale(plan, lambda: None))
+        joined = self._joined
+        assert self.wave is not None and joined is not None, "only a joining EP rank joins"
         try:
             self.wave.join(abort_key=ABORT_KEY)
         except BaseException as e:

@@ -7,6 +7,7 @@ engine is served correctly throughout.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from shoal.client.core_client import AsyncMPClient, EngineAttachError, SyncMPClient
 from shoal.engine.curve import CurveKeyPair, curve_client
 from shoal.engine.errors import RequestError
 from shoal.engine.protocol import EngineHello, FinishReason, SamplingParams
@@ -75,6 +77,33 @@ def test_an_unknown_key_is_refused_and_logged_once(
         assert peer.call("echo", "still here").result.result == "still here"  # type: ignore[union-attr]
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_client_whose_key_was_never_admitted_is_refused_at_once(
+    closed: ClosedEngine, mode: str
+) -> None:
+    keys = CurveKeyPair.generate()  # a well-formed key the cluster never handed out
+    start = time.monotonic()
+    with pytest.raises(EngineAttachError, match="not admitted"):
+        if mode == "sync":
+            SyncMPClient([closed.endpoint], client_index=9, curve_keys=keys, hello_timeout_s=30)
+        else:
+            asyncio.run(_attach_async(closed, keys))
+    assert time.monotonic() - start < 5.0, "refused at the handshake, not at the HELLO timeout"
+    peer = closed.attached_peer(1)
+    try:
+        assert len(peer.generate("still served", max_tokens=3)) == 3
+    finally:
+        peer.close()
+
+
+async def _attach_async(closed: ClosedEngine, keys: CurveKeyPair) -> None:
+    client = AsyncMPClient([], client_index=9, curve_keys=keys, hello_timeout_s=30)
+    try:
+        await client.add_engine_async(closed.endpoint)
+    finally:
+        client.shutdown()
 
 
 def test_no_utility_reaches_the_model_weights_or_kv_cache(closed: ClosedEngine) -> None:
