@@ -1,8 +1,10 @@
-"""The `shoal` command: serve a cluster, drive it, show its status, stop it, or run the demo.
+"""The `shoal` command: serve a cluster, drive it, resize it, show its status, stop it, or run
+the demo.
 
     shoal serve --model PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
     shoal api-server --namespace NAME [--host H] [--port P] [--api-key KEY]
     shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
+    shoal scale --namespace NAME --data-parallel-size M [--switch-timeout-s S] [--json]
     shoal status [--namespace NAME] [--json]
     shoal stop [--namespace NAME] [--timeout S]
     shoal demo [--data-parallel-size N]
@@ -23,7 +25,7 @@ from typing import Any
 import ray
 
 from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, attach
-from shoal.deploy import demo, generate, serve
+from shoal.deploy import demo, generate, scale, serve
 from shoal.deploy.openai import server as api_server
 
 logger = logging.getLogger("shoal")
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="ranks, their load, and attached clients")
     serve.add_ray_args(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    scale.add_scale_args(
+        commands.add_parser("scale", help="resize a running cluster while it serves")
+    )
     stop = commands.add_parser("stop", help="tear the cluster down")
     serve.add_ray_args(stop)
     stop.add_argument(
@@ -79,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.command == "status":
         return show_status(handle, as_json=args.json)
+    if args.command == "scale":
+        return scale.run(handle, args)
     return stop_cluster(handle, timeout_s=args.timeout)
 
 
@@ -91,7 +98,7 @@ def _attach(address: str, namespace: str) -> ClusterHandle:
 
 
 def show_status(handle: ClusterHandle, *, as_json: bool) -> int:
-    """Prints the cluster's ranks, their state and load, and the attached clients."""
+    """Prints the cluster's ranks, their state and load, resizes, and the attached clients."""
     status = handle.status()
     if as_json:
         print(json.dumps(status, indent=2, sort_keys=True))
@@ -120,6 +127,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"{kv:>8}{load.get('step_counter', '-'):>8}  {rank['address'] or '-'}"
         )
     lines.append("")
+    lines += scale.scale_status_lines(status)
     lines += _expert_parallel_lines(status.get("expert_parallel"))
     clients = status["clients"]
     lines.append(f"clients: {len(clients)}")

@@ -1,23 +1,32 @@
 """Prometheus metrics of one HTTP front end, under vLLM's names and labels, plus `shoal:` ones.
 
-Two sources, nothing polled from the engines:
+Three sources, nothing polled from the engines:
 
 - Per-rank series (`vllm:num_requests_running`, `..._waiting`, `vllm:kv_cache_usage_perc`,
   `vllm:num_preemptions_total`, `vllm:prefix_cache_{queries,hits}_total`) are read at scrape
   time from the coordinator's stats stream that this front end's DP client subscribes to. They
   describe the rank, so every front end of a cluster shows the same values: aggregate them
   across front ends with `max by (engine)`, not `sum`.
+- Cluster series are read from the registry before each scrape (`ClusterFacts`):
+  `shoal:ranks{state}`, `shoal:attached_clients`, `shoal:data_parallel_size`,
+  `shoal:scale_in_progress` (1 while a resize runs), and the resizes the registry keeps (its
+  last 32), `shoal:scale_events_total{outcome}` and `shoal:scale_duration_seconds{outcome}`
+  (outcome "committed", "rolled_back" or "unchanged"). Each resize is counted once per front
+  end however often it is scraped (by its epoch), and a front end that starts later counts the
+  past ones it finds in the registry, so every front end shows the same cluster-wide values:
+  `max`, not `sum`.
 - Request series (token counters, `vllm:request_success_total`, the latency and size
   histograms, `shoal:requests_routed_total`) count what this front end served. Each front end
   is its own scrape target; `sum` over targets gives the cluster's totals.
 
-Labels: `model_name` (the served model name) and `engine` (the DP rank).
+Labels: `model_name` (the served model name), `engine` (the DP rank), and those named above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +42,8 @@ _LATENCY_BUCKETS = (
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_SCALE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_SCALE_OUTCOMES = ("committed", "rolled_back", "unchanged")
 
 
 @dataclass
@@ -41,20 +52,18 @@ class ClusterFacts:
 
     ranks_by_state: dict[str, int] = field(default_factory=dict)
     num_clients: int = 0
+    data_parallel_size: int | None = None  # None until the registry has answered once
+    is_scaling: bool = False
 
 
 class _RankCollector(Collector):
     """Per-rank gauges and engine counters from the latest published stats."""
 
     def __init__(
-        self,
-        model_name: str,
-        rank_stats: Callable[[], dict[int, SchedulerStats]],
-        cluster: ClusterFacts,
+        self, model_name: str, rank_stats: Callable[[], dict[int, SchedulerStats]]
     ) -> None:
         self._model_name = model_name
         self._rank_stats = rank_stats
-        self._cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "engine"]
@@ -87,6 +96,16 @@ class _RankCollector(Collector):
             families["queries"].add_metric(values, stats.prefix_cache_queries_total)
             families["hits"].add_metric(values, stats.prefix_cache_hits_total)
         yield from families.values()
+
+
+class _ClusterCollector(Collector):
+    """The cluster's gauges, from what the registry said last (`ClusterFacts`)."""
+
+    def __init__(self, model_name: str, cluster: ClusterFacts) -> None:
+        self._model_name = model_name
+        self._cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
         ranks = GaugeMetricFamily(
             "shoal:ranks", "The cluster's ranks by state.", labels=["model_name", "state"]
         )
@@ -100,6 +119,17 @@ class _RankCollector(Collector):
         )
         clients.add_metric([self._model_name], self._cluster.num_clients)
         yield clients
+        if self._cluster.data_parallel_size is not None:
+            size = GaugeMetricFamily(
+                "shoal:data_parallel_size", "The cluster's ranks.", labels=["model_name"]
+            )
+            size.add_metric([self._model_name], self._cluster.data_parallel_size)
+            yield size
+        scaling = GaugeMetricFamily(
+            "shoal:scale_in_progress", "1 while a resize runs, else 0.", labels=["model_name"]
+        )
+        scaling.add_metric([self._model_name], int(self._cluster.is_scaling))
+        yield scaling
 
 
 class ServerMetrics:
@@ -151,7 +181,38 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
-        reg.register(_RankCollector(model_name, rank_stats, self.cluster))
+        scale_labels = ["model_name", "outcome"]
+        self.scale_events = Counter(
+            "shoal:scale_events", "Resizes of the cluster, by outcome.", scale_labels,
+            registry=reg,
+        )  # fmt: skip
+        self.scale_duration = Histogram(
+            "shoal:scale_duration_seconds", "How long a resize took, by outcome.", scale_labels,
+            registry=reg, buckets=_SCALE_BUCKETS,
+        )  # fmt: skip
+        for outcome in _SCALE_OUTCOMES:  # every series from the first scrape on, at 0
+            self.scale_events.labels(model_name, outcome)
+            self.scale_duration.labels(model_name, outcome)
+        self._counted_scale_epochs: set[int] = set()
+        reg.register(_RankCollector(model_name, rank_stats))
+        reg.register(_ClusterCollector(model_name, self.cluster))
+
+    def observe_scale_history(self, history: Iterable[Mapping[str, Any]]) -> None:
+        """Counts the resizes of the registry's history (`status()["scale_history"]`, re-read
+        before every scrape) that this front end has not counted yet.
+
+        Epochs that fell out of the history are forgotten: it only grows at its end.
+        """
+        epochs = set()
+        for event in history:
+            epoch = int(event["epoch"])
+            epochs.add(epoch)
+            if epoch in self._counted_scale_epochs:
+                continue
+            labels = (self.model_name, str(event["outcome"]))
+            self.scale_events.labels(*labels).inc()
+            self.scale_duration.labels(*labels).observe(float(event["duration_s"]))
+        self._counted_scale_epochs = epochs
 
     def observe_sequence(
         self,

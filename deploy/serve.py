@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from types import FrameType
 
 import ray
@@ -31,6 +32,7 @@ from shoal.cluster.launch import (
 )
 from shoal.cluster.placement import RankResources
 from shoal.deploy.openai.server import FrontEndThread, add_http_args, front_end_config
+from shoal.deploy.openai.state import NewRankOptions
 from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
 logger = logging.getLogger("shoal.serve")
@@ -64,6 +66,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="HTTP front ends this process runs (1; attach more with `shoal api-server`)",
     )
+    add_rank_args(parser)
+    parser.add_argument(
+        "--detached",
+        action="store_true",
+        help="return once the cluster serves, leaving it running (stop it with `shoal stop`)",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    add_engine_cli_args(parser, skip=("data_parallel_rank",))
+
+
+def add_rank_args(parser: argparse.ArgumentParser) -> None:
+    """What each rank reserves and how ranks are placed (`shoal serve`, `shoal scale`)."""
     parser.add_argument("--num-cpus-per-rank", type=float, default=1.0)
     parser.add_argument(
         "--num-gpus-per-rank",
@@ -72,13 +86,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="GPUs each rank reserves (default: 1 if the cluster has GPUs, else 0)",
     )
     parser.add_argument("--placement-strategy", choices=("pack", "spread"), default="pack")
-    parser.add_argument(
-        "--detached",
-        action="store_true",
-        help="return once the cluster serves, leaving it running (stop it with `shoal stop`)",
-    )
-    parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
-    add_engine_cli_args(parser, skip=("data_parallel_rank",))
+
+
+def rank_resources(args: argparse.Namespace) -> RankResources:
+    """The reservation of `add_rank_args`' flags (after ray.init: the default looks for GPUs)."""
+    num_gpus = args.num_gpus_per_rank
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return RankResources(num_cpus=args.num_cpus_per_rank, num_gpus=num_gpus)
 
 
 def connect_ray(address: str, namespace: str, *, can_start_local: bool) -> None:
@@ -154,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         handle = launch(
             config,
             namespace=args.namespace,
-            resources=_rank_resources(args),
+            resources=rank_resources(args),
             placement_strategy=args.placement_strategy,
             host=args.data_parallel_address,
             detached=args.detached,
@@ -214,16 +229,17 @@ def _start_front_end(args: argparse.Namespace) -> FrontEndThread | None:
     """The HTTP front end of `--port`, serving from a thread of this process."""
     if args.port is None:
         return None
-    front_end = FrontEndThread(front_end_config(args, args.port))
+    # This process owns the cluster's actors: ranks that a resize asked of its front end adds
+    # share their lifetime, and are started as the launched ones were.
+    new_ranks = NewRankOptions(
+        host=args.data_parallel_address,
+        detached=False,
+        resources=rank_resources(args),
+        placement_strategy=args.placement_strategy,
+    )
+    front_end = FrontEndThread(replace(front_end_config(args, args.port), new_ranks=new_ranks))
     front_end.start()
     return front_end
-
-
-def _rank_resources(args: argparse.Namespace) -> RankResources:
-    num_gpus = args.num_gpus_per_rank
-    if num_gpus is None:
-        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    return RankResources(num_cpus=args.num_cpus_per_rank, num_gpus=num_gpus)
 
 
 def configure_logging() -> None:

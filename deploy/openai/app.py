@@ -7,9 +7,11 @@
     GET  /health                  200 while a rank serves, else 503
     GET  /metrics                 Prometheus text (see `shoal.deploy.metrics`)
     GET  /version, /load          shoal's version; requests in progress here
+    POST /scale_elastic_ep        resize the cluster while it serves (see `elastic`)
+    GET  /is_scaling_elastic_ep   whether a resize runs
 
-With an API key, every `/v1/*` request needs `Authorization: Bearer KEY` (else 401); the
-other endpoints stay open, as vLLM's do, for probes and scrapers.
+With an API key, every `/v1/*` request and both resize endpoints need `Authorization: Bearer
+KEY` (else 401); the other endpoints stay open, as vLLM's do, for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -24,23 +26,35 @@ from shoal import __version__
 from shoal.deploy.metrics import CONTENT_TYPE
 from shoal.deploy.openai.chat import create_chat_completion
 from shoal.deploy.openai.completions import create_completion
+from shoal.deploy.openai.elastic import is_scaling_elastic_ep, scale_elastic_ep
 from shoal.deploy.openai.errors import OpenAIError, error_response, install_handlers
 from shoal.deploy.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    IsScalingElasticEPResponse,
     ModelCard,
     ModelList,
+    ScaleElasticEPRequest,
+    ScaleElasticEPResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
 from shoal.deploy.openai.state import ServerState
 from shoal.deploy.openai.tokenization import detokenize, tokenize
 
+# The admin endpoints: they change the cluster, so they need the key as /v1/* does.
+ADMIN_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether a request to `path` needs the API key (when the server has one)."""
+    return path.startswith("/v1/") or path.rstrip("/") in ADMIN_PATHS
+
 
 class _FrontDoor:
-    """Pure ASGI middleware: the API-key check on /v1/*, and the count of requests in progress
+    """Pure ASGI middleware: the API-key check (`needs_api_key`), and the count of requests in progress
     (a streamed response counts until its last byte)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -53,7 +67,7 @@ class _FrontDoor:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._expected is not None and scope["path"].startswith("/v1/"):
+        if self._expected is not None and needs_api_key(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 error = OpenAIError("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
@@ -115,5 +129,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
         return detokenize(state, request)
+
+    @app.post("/scale_elastic_ep")
+    async def scale_route(request: ScaleElasticEPRequest) -> ScaleElasticEPResponse:
+        return await scale_elastic_ep(state, request)
+
+    # GET, and POST as vLLM's server answers it.
+    @app.api_route("/is_scaling_elastic_ep", methods=["GET", "POST"])
+    async def is_scaling_route() -> IsScalingElasticEPResponse:
+        return await is_scaling_elastic_ep(state)
 
     return app

@@ -1,7 +1,8 @@
 """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, and the status rules.
 
 A client's mistake is a 400 (bad parameter, prompt over the limit), 401 (key), or 404 (model);
-no serving rank is a 503. Only a fault of the server itself is a 500. `install_handlers` maps
+a resize asked for while another runs is a 409; no serving rank, or a resize rolled back, is a
+503. Only a fault of the server itself is a 500. `install_handlers` maps
 the exceptions the endpoints raise (and FastAPI's validation errors) onto these bodies.
 """
 
@@ -45,6 +46,8 @@ def _default_type(status: HTTPStatus) -> str:
         return "authentication_error"
     if status == HTTPStatus.NOT_FOUND:
         return "NotFoundError"
+    if status == HTTPStatus.CONFLICT:
+        return "ConflictError"
     if status >= 500:
         return "ServiceUnavailableError" if status == 503 else "InternalServerError"
     return "BadRequestError"

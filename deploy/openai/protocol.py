@@ -87,6 +87,14 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+class ScaleElasticEPRequest(_Body):
+    """`POST /scale_elastic_ep`: the size to resize the cluster to (a JSON integer: `true` or
+    `"3"` are refused, not read as 1 or 3)."""
+
+    new_data_parallel_size: int = Field(strict=True)
+    switch_timeout_s: float | None = Field(default=None, gt=0)
+
+
 # --- responses ----------------------------------------------------------------------------------
 
 
@@ -208,3 +216,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ScaleElasticEPResponse(BaseModel):
+    """A resize's report (`shoal.cluster.elastic.ScaleReport`), with a one-line message."""
+
+    message: str
+    epoch: int
+    from_size: int
+    to_size: int
+    outcome: Literal["committed", "unchanged"]
+    phases: dict[str, float] = Field(default_factory=dict)
+    total_s: float
+
+
+class IsScalingElasticEPResponse(BaseModel):
+    is_scaling_elastic_ep: bool

@@ -1,7 +1,8 @@
 """`ServerState`: what every endpoint of one front end shares: its engine client, names, metrics.
 
 The front end is one `AsyncLLM` attached to the cluster (its own DPLB client); it knows the
-cluster's registry only to report rank states and attached clients in `/metrics`.
+cluster's registry only to report the cluster's facts (rank states, attached clients, size,
+resizes) in `/metrics`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 from shoal.client.async_llm import AsyncLLM
+from shoal.cluster.placement import PlacementStrategy, RankResources
 from shoal.deploy.metrics import ServerMetrics
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.engine.protocol import SchedulerStats
@@ -24,6 +26,25 @@ logger = logging.getLogger(__name__)
 
 # A scrape waits at most this long for the registry's status; then it shows the last one.
 _STATUS_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class NewRankOptions:
+    """How the ranks that a resize asked of this front end adds are started (the defaults are
+    those of a front end that did not launch the cluster: `shoal api-server`).
+
+    Attributes:
+        host: the address they bind (None: their node's IP).
+        detached: whether they outlive this process. Only the process that owns the cluster's
+            actors (`shoal serve --port`) adds ranks that share their lifetime; a rank that any
+            other front end owned would end with it.
+        resources, placement_strategy: as for `launch` (None: one GPU, or one CPU, each).
+    """
+
+    host: str | None = None
+    detached: bool = True
+    resources: RankResources | None = None
+    placement_strategy: PlacementStrategy = "pack"
 
 
 @dataclass
@@ -36,13 +57,21 @@ class ServerState:
     metrics: ServerMetrics
     registry: Any = None  # the cluster registry's actor handle, when serving a cluster
     num_in_flight: int = 0  # POSTs in progress, streams until their last byte (`/load`)
+    new_ranks: NewRankOptions = field(default_factory=NewRankOptions)
 
     @classmethod
     def make(
-        cls, llm: AsyncLLM, model_name: str, api_key: str | None, registry: Any = None
+        cls,
+        llm: AsyncLLM,
+        model_name: str,
+        api_key: str | None,
+        registry: Any = None,
+        new_ranks: NewRankOptions | None = None,
     ) -> ServerState:
         metrics = ServerMetrics(model_name, lambda: rank_stats(llm))
-        return cls(llm, model_name, api_key, metrics, registry)
+        return cls(
+            llm, model_name, api_key, metrics, registry, new_ranks=new_ranks or NewRankOptions()
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -67,7 +96,8 @@ class ServerState:
         return self.llm.serving_ranks()
 
     async def refresh_cluster_facts(self) -> None:
-        """Reads rank states and attached clients from the registry for the next scrape."""
+        """Reads the cluster's facts from the registry for the next scrape: rank states,
+        attached clients, its size, the resize running and the past ones."""
         if self.registry is None:
             return
         with contextlib.suppress(Exception):  # a registry restarting: keep the last facts
@@ -77,6 +107,9 @@ class ServerState:
             facts = self.metrics.cluster
             facts.ranks_by_state = dict(Counter(str(r["state"]) for r in status["ranks"]))
             facts.num_clients = len(status["clients"])
+            facts.data_parallel_size = int(status["data_parallel_size"])
+            facts.is_scaling = status.get("scaling") is not None
+            self.metrics.observe_scale_history(status.get("scale_history") or [])
 
 
 def rank_stats(llm: AsyncLLM) -> dict[int, SchedulerStats]:

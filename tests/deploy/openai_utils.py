@@ -81,7 +81,10 @@ def http_status(url: str) -> int | None:
 
 
 def request_json(
-    url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+    url: str,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
 ) -> tuple[int, Any]:
     """GET (no body) or POST a JSON body; returns (status, decoded JSON or None)."""
     data = None if body is None else json.dumps(body).encode()
@@ -89,7 +92,7 @@ def request_json(
     if data is not None:
         request.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status, raw = int(response.status), response.read()
     except urllib.error.HTTPError as e:
         status, raw = int(e.code), e.read()

@@ -37,6 +37,7 @@ def _make() -> ServerMetrics:
     metrics = ServerMetrics("m", lambda: stats)
     metrics.cluster.ranks_by_state = {"ready": 2}
     metrics.cluster.num_clients = 3
+    metrics.cluster.data_parallel_size = 2
     return metrics
 
 
@@ -52,6 +53,40 @@ def test_rank_series_come_from_the_latest_stats() -> None:
     assert samples[("vllm:num_requests_running", (("engine", "1"), ("model_name", "m")))] == 0
     assert samples[("shoal:ranks", (("model_name", "m"), ("state", "ready")))] == 2
     assert samples[("shoal:attached_clients", (("model_name", "m"),))] == 3
+    assert samples[("shoal:data_parallel_size", (("model_name", "m"),))] == 2
+    assert samples[("shoal:scale_in_progress", (("model_name", "m"),))] == 0
+
+
+def _scale_event(epoch: int, outcome: str, duration_s: float) -> dict[str, object]:
+    return {"epoch": epoch, "from_size": 2, "to_size": 3, "outcome": outcome,
+            "duration_s": duration_s, "detail": "", "finished_at": 0.0}  # fmt: skip
+
+
+def test_each_resize_of_the_history_is_counted_once() -> None:
+    metrics = _make()
+    committed = (("model_name", "m"), ("outcome", "committed"))
+    rolled_back = (("model_name", "m"), ("outcome", "rolled_back"))
+    assert _samples(metrics)[("shoal:scale_events_total", committed)] == 0  # there from the start
+    history = [_scale_event(1, "committed", 4.0), _scale_event(2, "rolled_back", 30.0)]
+    for _ in range(3):  # the history is re-read before every scrape
+        metrics.observe_scale_history(history)
+    history.append(_scale_event(3, "committed", 6.0))
+    metrics.observe_scale_history(history[1:])  # epoch 1 fell out of the registry's window
+    metrics.observe_scale_history(history[1:])
+    metrics.cluster.is_scaling = True
+    samples = _samples(metrics)
+    assert samples[("shoal:scale_events_total", committed)] == 2
+    assert samples[("shoal:scale_events_total", rolled_back)] == 1
+    assert samples[("shoal:scale_duration_seconds_count", committed)] == 2
+    assert samples[("shoal:scale_duration_seconds_sum", committed)] == 10.0
+    assert samples[("shoal:scale_duration_seconds_bucket", (("le", "5.0"), *committed))] == 1
+    assert samples[("shoal:scale_in_progress", (("model_name", "m"),))] == 1
+    # A front end that starts later counts what the registry still keeps: the same totals.
+    later = _make()
+    later.observe_scale_history(history)
+    later_samples = _samples(later)
+    for key in (("shoal:scale_events_total", committed), ("shoal:scale_events_total", rolled_back)):
+        assert later_samples[key] == samples[key]
 
 
 def test_finished_sequences_feed_counters_and_histograms() -> None:
@@ -98,3 +133,4 @@ def test_the_dashboard_asks_only_for_published_series() -> None:
     wanted = {m for e in exprs for m in re.findall(r"\b((?:vllm|shoal):[a-z0-9_]+)", e)}
     assert wanted and wanted <= published, wanted - published
     assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds_bucket"} <= wanted
+    assert {"shoal:scale_events_total", "shoal:data_parallel_size"} <= wanted
