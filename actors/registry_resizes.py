@@ -36,8 +36,19 @@ class ResizeMethods:
     def _bump(self) -> int:
         raise NotImplementedError  # RegistryActor's
 
+    def _save(self) -> None:
+        raise NotImplementedError  # RegistryActor's
+
     def _set_rank(self, info: RankInfo) -> None:
         raise NotImplementedError  # RegistryActor's
+
+    async def set_launch_options(self, options: dict[str, Any]) -> None:
+        """Records how the launch started its ranks (`shoal.cluster.launch.LaunchOptions`)."""
+        self._state.launch_options = dict(options)
+        self._save()
+
+    async def launch_options(self) -> dict[str, Any]:
+        return dict(self._state.launch_options)
 
     async def begin_scale(self, owner: str, to_size: int) -> tuple[int, int]:
         """Takes the scale lock for a resize to `to_size` ranks.

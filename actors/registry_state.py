@@ -4,6 +4,7 @@ change (see `shoal.actors.registry`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.actors.membership import ClientInfo, RankInfo
 from shoal.actors.scale_state import ScaleEvent, ScaleRecord
@@ -32,3 +33,5 @@ class RegistryState:
     scale_epoch: int = 0
     ep_group_name: str | None = None
     scale_history: list[ScaleEvent] = field(default_factory=list)
+    # How the launch started its ranks (reservation, placement, bind address), for resizes.
+    launch_options: dict[str, Any] = field(default_factory=dict)

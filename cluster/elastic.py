@@ -36,11 +36,10 @@ from shoal.actors.scale_state import ScaleInProgressError
 from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterHandle,
+    LaunchOptions,
     add_ranks,
-    default_resources,
     remove_ranks,
 )
-from shoal.cluster.placement import PlacementStrategy, RankResources
 from shoal.engine.config import EngineConfig
 from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
 from shoal.engine.errors import ModelLoadError
@@ -89,10 +88,6 @@ def scale(
     new_size: int,
     *,
     owner: str = "",
-    resources: RankResources | None = None,
-    placement_strategy: PlacementStrategy = "pack",
-    host: str | None = None,
-    detached: bool = False,
     ready_timeout_s: float = READY_TIMEOUT_S,
     switch_timeout_s: float = SWITCH_TIMEOUT_S,
 ) -> ScaleReport:
@@ -102,9 +97,12 @@ def scale(
         handle: the cluster.
         new_size: the number of ranks after the resize.
         owner: who asks (shown by `shoal status` while it runs).
-        resources, placement_strategy, host, detached: for new ranks, as for `launch`.
         ready_timeout_s: how long new ranks may take to be placed and start.
         switch_timeout_s: how long the new set may take to form at the switch.
+
+    New ranks are started as the launch started its ranks (`LaunchOptions`: what each
+    reserves, how they are placed, the bind address, detached or not), by the cluster's owner,
+    so they live as long as the cluster, whoever asked for the resize.
 
     Returns:
         The resize's report (its outcome "committed", or "unchanged" at the same size).
@@ -127,13 +125,7 @@ def scale(
     logger.info("resize %d: %d → %d ranks (by %s)", epoch, from_size, new_size, owner or "?")
     try:
         if new_size > from_size:
-            resize.scale_up(
-                resources or default_resources(),
-                placement_strategy,
-                host=host,
-                detached=detached,
-                ready_timeout_s=ready_timeout_s,
-            )
+            resize.scale_up(LaunchOptions.of(handle), ready_timeout_s=ready_timeout_s)
         else:
             resize.scale_down()
     except BaseException as e:
@@ -242,15 +234,7 @@ class _Resize:
 
     # --- up ---------------------------------------------------------------------------------
 
-    def scale_up(
-        self,
-        resources: RankResources,
-        placement_strategy: PlacementStrategy,
-        *,
-        host: str | None,
-        detached: bool,
-        ready_timeout_s: float,
-    ) -> None:
+    def scale_up(self, options: LaunchOptions, *, ready_timeout_s: float) -> None:
         old = list(range(self.from_size))
         self.new_ranks = list(range(self.from_size, self.to_size))
         self._enter("starting", plan=self.plan, new_ranks=self.new_ranks)
@@ -264,10 +248,10 @@ class _Resize:
             self.handle,
             config,
             self.new_ranks,
-            resources,
-            placement_strategy,
-            host=host,
-            detached=detached,
+            options.resources,
+            options.placement_strategy,
+            host=options.host,
+            detached=options.detached,
             ready_timeout_s=ready_timeout_s,
         )
         if self.is_expert_parallel:

@@ -3,11 +3,14 @@
     namespace "<ns>"
     ├── RegistryActor      "shoal-registry"      config, membership + epochs, clients, liveness
     ├── CoordinatorActor   "shoal-coordinator"   engines PUSH stats → XPUB to clients
+    ├── ClusterOwnerActor  "shoal-owner"         creates (so owns) every rank's group and actor
     └── EngineCoreActor    "shoal-engine-<r>"    one per rank, in placement group
                                                  "shoal-<ns>-rank-<r>"
 
-Readiness handshake: the registry and coordinator start first; the coordinator's addresses
-go into the registry; each rank's placement group is reserved; each engine actor reads the
+Readiness handshake: the registry, coordinator and owner start first; the coordinator's
+addresses and the launch's options (what a rank reserves, how ranks are placed, the bind
+address) go into the registry, so a later resize starts ranks alike; each rank's placement
+group is reserved (by the owner, as its actor is created); each engine actor reads the
 addresses from the registry, binds its ZMQ input, starts its busy loop and registers its
 endpoint itself (the registry then watches it); `launch` returns once every rank's `ready()`
 has answered. A rank restarted by Ray repeats the same steps under a new identity.
@@ -25,6 +28,7 @@ from typing import Any
 
 import ray
 from ray.experimental import internal_kv
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shoal.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
@@ -35,6 +39,7 @@ from shoal.actors.engine_actor import (
     engine_actor_name,
 )
 from shoal.actors.membership import Membership
+from shoal.actors.owner import OWNER_NAME, ClusterOwnerActor
 from shoal.actors.registry import REGISTRY_NAME, STATE_KEY, RegistryActor
 from shoal.cluster.placement import (
     PlacementStrategy,
@@ -104,6 +109,9 @@ class ClusterHandle:
     registry: ActorHandle
     coordinator: ActorHandle
     engines: dict[int, ActorHandle] = field(default_factory=dict)
+    # Creates the ranks' placement groups and actors (None: a cluster from before it existed;
+    # then this process creates them).
+    owner: ActorHandle | None = None
 
     def membership(self) -> Membership:
         return ray.get(self.registry.membership.remote())
@@ -163,13 +171,16 @@ class ClusterHandle:
             ranks |= set(self.membership().ranks)
         remove_ranks(self, sorted(ranks))
         _wait_quietly([self.coordinator.shutdown.remote()], timeout=10)
-        for actor in (self.coordinator, self.registry):
-            _kill_quietly(actor)
+        owner = self.owner or _get_actor(OWNER_NAME, self.namespace)
+        for actor in (self.coordinator, self.registry, owner):
+            if actor is not None:
+                _kill_quietly(actor)
         internal_kv._internal_kv_del(STATE_KEY, namespace=self.namespace)
         remove_cluster_placement_groups(self.namespace)
         _wait_for_names_gone(
             self.namespace,
-            [REGISTRY_NAME, COORDINATOR_NAME] + [engine_actor_name(r) for r in sorted(ranks)],
+            [REGISTRY_NAME, COORDINATOR_NAME, OWNER_NAME]
+            + [engine_actor_name(r) for r in sorted(ranks)],
         )
 
 
@@ -249,7 +260,12 @@ def launch(
         .options(name=COORDINATOR_NAME, **control)
         .remote(host or "", namespace, coordinator_keys)
     )
-    handle = ClusterHandle(namespace, registry, coordinator)
+    owner: ActorHandle = (
+        ray.remote(ClusterOwnerActor)
+        .options(name=OWNER_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
+        .remote()
+    )
+    handle = ClusterHandle(namespace, registry, coordinator, owner=owner)
     try:
         # The control actors' start is not the ranks' placement: it has its own bound.
         report_address, publish_address = ray.get(
@@ -260,6 +276,8 @@ def launch(
                 report_address, publish_address, coordinator_keys.public
             )
         )
+        options = LaunchOptions(resources, placement_strategy, host, detached)
+        ray.get(registry.set_launch_options.remote(options.as_dict()))
         ranks = range(config.parallel.data_parallel_size)
         add_ranks(
             handle,
@@ -323,12 +341,14 @@ def add_ranks(
             resources.bundle(),
             ready_timeout_s,
         )
-    groups = {
-        rank: create_rank_placement_group(
-            handle.namespace, rank, resources, target_node_id=target, detached=detached
-        )
-        for rank, target in zip(ranks, targets, strict=True)
-    }
+    groups: dict[int, PlacementGroup] = _as_owner(
+        handle,
+        _create_placement_groups,
+        handle.namespace,
+        dict(zip(ranks, targets, strict=True)),
+        resources,
+        detached,
+    )
     start = time.monotonic()
     placed = {rank: group.ready() for rank, group in groups.items()}
     _, unplaced = ray.wait(list(placed.values()), num_returns=len(placed), timeout=ready_timeout_s)
@@ -349,19 +369,18 @@ def add_ranks(
         # since a connection refused at its handshake is not tried again.
         rank_keys = CurveKeyPair.generate()
         ray.get(handle.coordinator.admit_engine.remote(rank, rank_keys.public))
-        handle.engines[rank] = (
-            ray.remote(EngineCoreActor)
-            .options(
-                name=engine_actor_name(rank),
-                namespace=handle.namespace,
-                lifetime="detached" if detached else None,
-                num_cpus=resources.num_cpus,
-                num_gpus=resources.num_gpus,
-                max_restarts=ENGINE_MAX_RESTARTS,
-                max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group),
-            )
-            .remote(config, rank, handle.namespace, host, rank_keys)
+        handle.engines[rank] = _as_owner(
+            handle,
+            _create_engine_actor,
+            handle.namespace,
+            rank,
+            group,
+            resources,
+            detached,
+            config,
+            host,
+            rank_keys,
+            keep_as=engine_actor_name(rank),
         )
     deadline = start + ready_timeout_s
     readiness = {rank: handle.engines[rank].ready.remote() for rank in ranks}
@@ -377,6 +396,90 @@ def add_ranks(
     logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a cluster's ranks are started, kept in its registry so that a resize, from any
+    driver, starts new ranks as the launch did."""
+
+    resources: RankResources
+    placement_strategy: PlacementStrategy = "pack"
+    host: str | None = None
+    detached: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_cpus": self.resources.num_cpus,
+            "num_gpus": self.resources.num_gpus,
+            "placement_strategy": self.placement_strategy,
+            "host": self.host,
+            "detached": self.detached,
+        }
+
+    @classmethod
+    def of(cls, handle: ClusterHandle) -> LaunchOptions:
+        """The options the cluster was launched with (defaults for one launched without)."""
+        saved: dict[str, Any] | None = ray.get(handle.registry.launch_options.remote())
+        if not saved:
+            return cls(default_resources())
+        return cls(
+            RankResources(num_cpus=saved["num_cpus"], num_gpus=saved["num_gpus"]),
+            saved["placement_strategy"],
+            saved["host"],
+            saved["detached"],
+        )
+
+
+def _as_owner(
+    handle: ClusterHandle, create: Callable[..., Any], *args: Any, keep_as: str | None = None
+) -> Any:
+    """Runs a create call in the cluster's owner (see `shoal.actors.owner`), so that what it
+    creates lives as the cluster lives; `keep_as` names an actor handle the owner holds."""
+    if handle.owner is None:
+        return create(*args)
+    call = handle.owner.run.remote(create, *args, keep_as=keep_as)
+    return ray.get(call, timeout=CONTROL_START_TIMEOUT_S)
+
+
+def _create_placement_groups(
+    namespace: str,
+    targets: dict[int, str | None],
+    resources: RankResources,
+    detached: bool,
+) -> dict[int, PlacementGroup]:
+    return {
+        rank: create_rank_placement_group(
+            namespace, rank, resources, target_node_id=target, detached=detached
+        )
+        for rank, target in targets.items()
+    }
+
+
+def _create_engine_actor(
+    namespace: str,
+    rank: int,
+    group: PlacementGroup,
+    resources: RankResources,
+    detached: bool,
+    config: EngineConfig,
+    host: str | None,
+    rank_keys: CurveKeyPair,
+) -> ActorHandle:
+    return (
+        ray.remote(EngineCoreActor)
+        .options(
+            name=engine_actor_name(rank),
+            namespace=namespace,
+            lifetime="detached" if detached else None,
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            max_restarts=ENGINE_MAX_RESTARTS,
+            max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+        )
+        .remote(config, rank, namespace, host, rank_keys)
+    )
+
+
 def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
     """Stops the engines of `ranks`, kills their actors, frees their placement groups, and
     forgets them in the registry and coordinator. Ranks already gone are skipped."""
@@ -385,9 +488,12 @@ def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
     # Clients stop routing to them first, and take their deaths below as expected.
     _wait_quietly([handle.registry.set_rank_leaving.remote(r) for r in engines], timeout=10)
     _wait_quietly([e.shutdown.remote() for e in engines.values()], timeout=30)
+    owner = handle.owner
     for rank, engine in engines.items():
         _kill_quietly(engine)
         handle.engines.pop(rank, None)
+        if owner is not None:
+            _wait_quietly([owner.release.remote(engine_actor_name(rank))], timeout=10)
     remove_cluster_placement_groups(handle.namespace, ranks)
     for rank in ranks:
         _wait_quietly([handle.registry.remove_rank.remote(rank)], timeout=10)
@@ -405,7 +511,7 @@ def attach(namespace: str = DEFAULT_NAMESPACE) -> ClusterHandle:
     coordinator = _get_actor(COORDINATOR_NAME, namespace)
     if registry is None or coordinator is None:
         raise ClusterNotFoundError(f"no shoal cluster runs in namespace {namespace!r}")
-    return ClusterHandle(namespace, registry, coordinator)
+    return ClusterHandle(namespace, registry, coordinator, owner=_get_actor(OWNER_NAME, namespace))
 
 
 def is_stopped(namespace: str) -> bool:

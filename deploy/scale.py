@@ -3,7 +3,8 @@
     shoal scale --namespace NS --data-parallel-size M [--switch-timeout-s S] [--json]
 
 The resize itself is `shoal.cluster.elastic.scale`, run from this process. The ranks it adds
-are detached actors: this process exits right after, and a rank it owned would go with it.
+are started as the launch started its ranks, by the cluster's owner actor, so they live as long
+as the cluster although this process exits right after.
 Exit codes: 0 done (or nothing to do), 1 refused or rolled back, 2 a size the model cannot be
 served at.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 from shoal.cluster.elastic import SWITCH_TIMEOUT_S, ScaleError, ScaleInProgressError, scale
 from shoal.cluster.launch import ClusterHandle
-from shoal.deploy.serve import add_rank_args, add_ray_args, rank_resources
+from shoal.deploy.serve import add_ray_args
 
 # How many past resizes `shoal status` lists.
 NUM_STATUS_SCALES = 5
@@ -39,12 +40,6 @@ def add_scale_args(parser: argparse.ArgumentParser) -> None:
         help=f"how long the new set may take to form before the resize is rolled back "
         f"(default {SWITCH_TIMEOUT_S:.0f})",
     )
-    parser.add_argument(
-        "--data-parallel-address",
-        default=None,
-        help="address the new ranks bind (default: their node's IP)",
-    )
-    add_rank_args(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -62,10 +57,6 @@ def run(handle: ClusterHandle, args: argparse.Namespace) -> int:
             handle,
             args.data_parallel_size,
             owner=f"{socket.gethostname()}:{os.getpid()}",
-            resources=rank_resources(args),
-            placement_strategy=args.placement_strategy,
-            host=args.data_parallel_address,
-            detached=True,
             switch_timeout_s=args.switch_timeout_s,
         )
     except ValueError as e:

@@ -17,7 +17,6 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
 from types import FrameType
 
 import ray
@@ -32,7 +31,6 @@ from shoal.cluster.launch import (
 )
 from shoal.cluster.placement import RankResources
 from shoal.deploy.openai.server import FrontEndThread, add_http_args, front_end_config
-from shoal.deploy.openai.state import NewRankOptions
 from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
 logger = logging.getLogger("shoal.serve")
@@ -229,15 +227,7 @@ def _start_front_end(args: argparse.Namespace) -> FrontEndThread | None:
     """The HTTP front end of `--port`, serving from a thread of this process."""
     if args.port is None:
         return None
-    # This process owns the cluster's actors: ranks that a resize asked of its front end adds
-    # share their lifetime, and are started as the launched ones were.
-    new_ranks = NewRankOptions(
-        host=args.data_parallel_address,
-        detached=False,
-        resources=rank_resources(args),
-        placement_strategy=args.placement_strategy,
-    )
-    front_end = FrontEndThread(replace(front_end_config(args, args.port), new_ranks=new_ranks))
+    front_end = FrontEndThread(front_end_config(args, args.port))
     front_end.start()
     return front_end
 

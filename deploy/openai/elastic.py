@@ -32,13 +32,7 @@ async def scale_elastic_ep(
     Raises:
         OpenAIError: the resize was refused or failed (see `scale_failure`).
     """
-    new_ranks = state.new_ranks
-    options: dict[str, object] = {
-        "host": new_ranks.host,
-        "detached": new_ranks.detached,
-        "resources": new_ranks.resources,
-        "placement_strategy": new_ranks.placement_strategy,
-    }
+    options: dict[str, object] = {}
     if request.switch_timeout_s is not None:
         options["switch_timeout_s"] = request.switch_timeout_s
     try:

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -25,7 +25,7 @@ import uvicorn
 from shoal.client.async_llm import AsyncLLM
 from shoal.cluster.launch import attach
 from shoal.deploy.openai.app import build_app
-from shoal.deploy.openai.state import NewRankOptions, ServerState
+from shoal.deploy.openai.state import ServerState
 
 logger = logging.getLogger("shoal.api_server")
 
@@ -49,7 +49,6 @@ class FrontEndConfig:
     data_parallel_address: str | None = None  # this node's address as the engines reach it
     # How ranks that a resize asked of this front end adds are started: `shoal serve --port`
     # starts them as it launched the others; any other front end, detached.
-    new_ranks: NewRankOptions = field(default_factory=NewRankOptions)
 
 
 def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) -> None:
@@ -99,7 +98,7 @@ async def serve_front_end(
     try:
         handle = await asyncio.to_thread(attach, config.namespace)
         name = config.served_model_name or llm.config.model.model
-        state = ServerState.make(llm, name, config.api_key, handle.registry, config.new_ranks)
+        state = ServerState.make(llm, name, config.api_key, handle.registry)
         uv_config = uvicorn.Config(
             build_app(state),
             host=config.host,

@@ -11,12 +11,11 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from shoal.client.async_llm import AsyncLLM
-from shoal.cluster.placement import PlacementStrategy, RankResources
 from shoal.deploy.metrics import ServerMetrics
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.engine.protocol import SchedulerStats
@@ -26,25 +25,6 @@ logger = logging.getLogger(__name__)
 
 # A scrape waits at most this long for the registry's status; then it shows the last one.
 _STATUS_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class NewRankOptions:
-    """How the ranks that a resize asked of this front end adds are started (the defaults are
-    those of a front end that did not launch the cluster: `shoal api-server`).
-
-    Attributes:
-        host: the address they bind (None: their node's IP).
-        detached: whether they outlive this process. Only the process that owns the cluster's
-            actors (`shoal serve --port`) adds ranks that share their lifetime; a rank that any
-            other front end owned would end with it.
-        resources, placement_strategy: as for `launch` (None: one GPU, or one CPU, each).
-    """
-
-    host: str | None = None
-    detached: bool = True
-    resources: RankResources | None = None
-    placement_strategy: PlacementStrategy = "pack"
 
 
 @dataclass
@@ -57,7 +37,6 @@ class ServerState:
     metrics: ServerMetrics
     registry: Any = None  # the cluster registry's actor handle, when serving a cluster
     num_in_flight: int = 0  # POSTs in progress, streams until their last byte (`/load`)
-    new_ranks: NewRankOptions = field(default_factory=NewRankOptions)
 
     @classmethod
     def make(
@@ -66,12 +45,9 @@ class ServerState:
         model_name: str,
         api_key: str | None,
         registry: Any = None,
-        new_ranks: NewRankOptions | None = None,
     ) -> ServerState:
         metrics = ServerMetrics(model_name, lambda: rank_stats(llm))
-        return cls(
-            llm, model_name, api_key, metrics, registry, new_ranks=new_ranks or NewRankOptions()
-        )
+        return cls(llm, model_name, api_key, metrics, registry)
 
     @property
     def tokenizer(self) -> Tokenizer:
