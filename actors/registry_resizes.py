@@ -90,6 +90,14 @@ class ResizeMethods:
             record.new_ranks = list(new_ranks)
         self._bump()
 
+    async def renew_scale(self, epoch: int) -> bool:
+        """Renews the lease of the scale holding the lock; False if it no longer holds it."""
+        record = self._state.scale
+        if record is None or record.epoch != epoch:
+            return False
+        record.renewed_at = time.time()
+        return True
+
     async def commit_scale(self, epoch: int) -> int:
         """The resize is done: the cluster's size and groups are the new set's, its new ranks
         serve. Returns the new epoch."""

@@ -25,6 +25,7 @@ removed, leaving ranks serve again, the lock is released, and `ScaleError` says 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ from typing import Any
 
 import ray
 
-from shoal.actors.scale_state import ScaleInProgressError
+from shoal.actors.scale_state import SCALE_LEASE_S, ScaleInProgressError
 from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterHandle,
@@ -123,6 +124,7 @@ def scale(
         return report
     resize = _Resize(handle, config, epoch, from_size, new_size, switch_timeout_s, report)
     logger.info("resize %d: %d → %d ranks (by %s)", epoch, from_size, new_size, owner or "?")
+    lease = _LeaseRenewal(handle, epoch)
     try:
         if new_size > from_size:
             resize.scale_up(LaunchOptions.of(handle), ready_timeout_s=ready_timeout_s)
@@ -148,6 +150,8 @@ def scale(
             f"the scale from {from_size} to {new_size} ranks failed and was rolled back: "
             f"{type(e).__name__}: {e}"
         ) from e
+    finally:
+        lease.stop()
     report.outcome = "committed"
     report.total_s = time.monotonic() - start
     _end(handle, epoch, "committed")
@@ -176,6 +180,29 @@ def _check_size(config: EngineConfig, new_size: int) -> None:
     except ModelLoadError:
         return  # another node's path: the new ranks check it as they start
     check_expert_parallel(arch, new_size)
+
+
+class _LeaseRenewal(threading.Thread):
+    """Renews the scale lock's lease while the resize runs (a wait for nodes may outlast it);
+    a caller that dies stops renewing, and the lock frees itself."""
+
+    def __init__(self, handle: ClusterHandle, epoch: int) -> None:
+        super().__init__(name=f"ScaleLease{epoch}", daemon=True)
+        self._registry = handle.registry
+        self._epoch = epoch
+        self._stopped = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._stopped.wait(SCALE_LEASE_S / 4):
+            try:
+                if not ray.get(self._registry.renew_scale.remote(self._epoch), timeout=30):
+                    return
+            except Exception as e:  # the registry restarts: renewed on the next turn
+                logger.debug("resize %d: lease not renewed: %s", self._epoch, e)
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def _end(handle: ClusterHandle, epoch: int, outcome: str, detail: str = "") -> None:
