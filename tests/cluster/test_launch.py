@@ -195,7 +195,7 @@ def test_killed_engine_is_restarted_by_ray_and_serves_again(cluster: ClusterHand
 
 
 def test_shutdown_leaves_no_actor_and_no_placement_group(cluster: ClusterHandle) -> None:
-    assert len(_live_shoal_actors()) == 4
+    assert len(_live_shoal_actors()) == 5  # registry, coordinator, owner, two ranks
     cluster.shutdown()
     assert _live_shoal_actors() == []
     assert live_placement_group_names(cluster.namespace) == []
