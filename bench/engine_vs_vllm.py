@@ -76,13 +76,20 @@ def _drive(add: Any, step: Any, num_requests: int) -> tuple[float, dict[str, lis
 def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, job["shoal_root"])
     from shoal.client import SamplingParams
+    from shoal.engine import config as engine_config
     from shoal.engine.config import EngineConfig
     from shoal.engine.engine_core import EngineCore
     from shoal.engine.loader import smollm2_gguf_path
     from shoal.engine.protocol import EngineCoreRequest
 
+    engine_args = dict(job["engine_args"])
+    # The offline `LLM`'s defaults, as vLLM's side runs with its offline `LLM`'s (an earlier
+    # checkout given as the baseline may predate the constant).
+    offline_budget = getattr(engine_config, "OFFLINE_MAX_NUM_BATCHED_TOKENS", None)
+    if offline_budget is not None:
+        engine_args.setdefault("max_num_batched_tokens", offline_budget)
     config = EngineConfig.from_kwargs(
-        smollm2_gguf_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, **job["engine_args"]
+        smollm2_gguf_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_args
     )
     core = EngineCore(config)
 

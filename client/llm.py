@@ -18,7 +18,7 @@ from shoal.client.fan_out import child_params, child_request_id, merge_outputs
 from shoal.client.output_processor import OutputProcessor
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
-from shoal.engine.config import EngineConfig
+from shoal.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from shoal.engine.engine_core import EngineCore
 from shoal.engine.protocol import (
     EngineCoreOutputs,
@@ -66,7 +66,8 @@ class LLM:
         model: local path to a Hugging Face checkpoint directory or a GGUF file.
         multiprocess: run the engine core in a child process.
         **engine_kwargs: engine settings named like vLLM's (`dtype`, `max_model_len`,
-            `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `block_size`,
+            `max_num_seqs`, `max_num_batched_tokens` (default here
+            `OFFLINE_MAX_NUM_BATCHED_TOKENS`), `enable_prefix_caching`, `block_size`,
             `kv_cache_memory_bytes`, `num_gpu_blocks_override`, ...).
 
     Raises:
@@ -75,6 +76,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, multiprocess: bool = False, **engine_kwargs: Any) -> None:
+        engine_kwargs.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
         self.tokenizer: Tokenizer = load_tokenizer(self.config.model.tokenizer or model)
         self._driver: _EngineDriver

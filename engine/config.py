@@ -15,6 +15,12 @@ from typing import Any, Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+# The offline `LLM`'s step budget, as vLLM's offline default on CPU: with every request queued
+# at once, fewer and larger prefill steps finish the prompts sooner and hold up fewer decodes
+# (a served engine keeps the smaller default, which bounds the step a new arrival adds).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
+
+
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
@@ -76,7 +82,11 @@ class SchedulerConfig:
 
     max_num_seqs: int = field(default=256, metadata=_help("max requests in one step"))
     max_num_batched_tokens: int = field(
-        default=2048, metadata=_help("max tokens (prefill + decode) in one step")
+        default=2048,
+        metadata=_help(
+            "max tokens (prefill + decode) in one step (offline `LLM`: "
+            f"{OFFLINE_MAX_NUM_BATCHED_TOKENS} unless given)"
+        ),
     )
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("split long prompts across steps")
