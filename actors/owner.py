@@ -35,6 +35,3 @@ class ClusterOwnerActor:
     def release(self, name: str) -> None:
         """Drops a held handle (its actor was removed)."""
         self._held.pop(name, None)
-
-    def ping(self) -> bool:
-        return True

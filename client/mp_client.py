@@ -25,8 +25,8 @@ from shoal.client.background_resources import CLOSE_LINGER_MS, BackgroundResourc
 from shoal.client.engine_monitor import EngineMonitor
 from shoal.client.engine_set import EngineIdentity, EngineSet
 from shoal.engine.config import EngineConfig
-from shoal.engine.core_proc import start_engine_process, stop_engine_process
 from shoal.engine.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
+from shoal.engine.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     EngineCoreOutputs,

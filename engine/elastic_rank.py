@@ -204,6 +204,8 @@ class ElasticRank:
     def poll(self) -> None:
         """Once per busy-loop turn: a dense rank's leave, a rejoin after a rollback, a failed
         stage."""
+        if self._leave_epoch is None and not self._rejoin_requested and self._pending is None:
+            return  # the common turn: no resize here (a stale read is caught next turn)
         with self._lock:
             leave_epoch, self._leave_epoch = self._leave_epoch, None
             rejoin, self._rejoin_requested = self._rejoin_requested, False

@@ -3,12 +3,13 @@ OpenAI front-end tests; and reading `/metrics` with `prometheus_client`'s parser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,21 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
         for key, value in samples.items()
         if key.split("{", 1)[0] == name and all(w in key for w in wanted)
     )
+
+
+@contextlib.contextmanager
+def serving_two_ranks(
+    head: RayHead, checkpoint: str, namespace: str, log_dir: Path
+) -> Iterator[FrontEnd]:
+    """`shoal serve --port` of `checkpoint` over two ranks, with the tests' key and model name;
+    stopped (cleanly: exit 0) on exit."""
+    args = [
+        "serve", "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
+        "--data-parallel-address", "127.0.0.1", "--host", "127.0.0.1", "--api-key", API_KEY,
+        "--served-model-name", MODEL_NAME, *TINY_ENGINE_FLAGS,
+    ]  # fmt: skip
+    front_end = start_shoal(head, args, log_dir / "serve.log")
+    try:
+        yield front_end
+    finally:
+        assert front_end.stop() == 0, front_end.output()

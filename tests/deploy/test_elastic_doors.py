@@ -29,11 +29,10 @@ from shoal.deploy.scale import format_report, scale_status_lines
 from tests.deploy.openai_utils import (
     API_KEY,
     MODEL_NAME,
-    TINY_ENGINE_FLAGS,
     FrontEnd,
     request_json,
     scrape,
-    start_shoal,
+    serving_two_ranks,
     total,
 )
 from tests.factories import make_tiny_checkpoint
@@ -138,16 +137,10 @@ def served(
     ray_head: RayHead, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FrontEnd]:
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
-    args = [
-        "serve", "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
-        "--data-parallel-address", "127.0.0.1", "--host", "127.0.0.1", "--api-key", API_KEY,
-        "--served-model-name", MODEL_NAME, *TINY_ENGINE_FLAGS,
-    ]  # fmt: skip
-    front_end = start_shoal(ray_head, args, tmp_path_factory.mktemp("logs") / "serve.log")
-    try:
+    with serving_two_ranks(
+        ray_head, checkpoint, namespace, tmp_path_factory.mktemp("logs")
+    ) as front_end:
         yield front_end
-    finally:
-        assert front_end.stop() == 0, front_end.output()
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from shoal import LLM, SamplingParams
 from tests.deploy.openai_utils import (
     API_KEY,
     MODEL_NAME,
-    TINY_ENGINE_FLAGS,
     FrontEnd,
     http_status,
     request_json,
     scrape,
+    serving_two_ranks,
     start_shoal,
     total,
 )
@@ -51,16 +51,10 @@ def namespace() -> str:
 def served(
     ray_head: RayHead, checkpoint: str, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[FrontEnd]:
-    args = [
-        "serve", "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
-        "--data-parallel-address", "127.0.0.1", "--host", "127.0.0.1", "--api-key", API_KEY,
-        "--served-model-name", MODEL_NAME, *TINY_ENGINE_FLAGS,
-    ]  # fmt: skip
-    front_end = start_shoal(ray_head, args, tmp_path_factory.mktemp("logs") / "serve.log")
-    try:
+    with serving_two_ranks(
+        ray_head, checkpoint, namespace, tmp_path_factory.mktemp("logs")
+    ) as front_end:
         yield front_end
-    finally:
-        assert front_end.stop() == 0, front_end.output()
 
 
 @pytest.fixture(scope="module")

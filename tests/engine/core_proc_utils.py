@@ -92,6 +92,28 @@ def request(request_id: str, prompt: list[int] | None = None, **params: Any) -> 
     return EngineCoreRequest(request_id, prompt or [5, 6, 7, 8], SamplingParams(**params))
 
 
+def on_each_rank(num_ranks: int, body: Callable[[int], object]) -> list[object]:
+    """Runs `body(rank)` for every rank at once, one thread each (ranks meet in collectives);
+    returns the results by rank and raises the first error."""
+    results: list[object] = [None] * num_ranks
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

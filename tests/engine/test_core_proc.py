@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from shoal.engine.core_output import OutputThread
-from shoal.engine.core_proc import EngineCoreProc, start_engine_process
+from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.engine_process import start_engine_process
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -19,7 +19,14 @@ from shoal.engine.distributed import Rendezvous
 from shoal.engine.dp_wave import SYNC_INTERVAL, DPWave, WaveError
 from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
 from shoal.engine.protocol import EngineCoreRequestType
-from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, tiny_config, wait_until
+from tests.engine.core_proc_utils import (
+    RawPeer,
+    ServedEngine,
+    on_each_rank,
+    request,
+    tiny_config,
+    wait_until,
+)
 from tests.factories import make_tiny_checkpoint
 
 
@@ -47,26 +54,8 @@ def _joined_waves(port: int, timeout_s: float = 10.0) -> list[DPWave]:
         )
         for rank in range(2)
     ]
-    _on_both(lambda rank: waves[rank].join())
+    on_each_rank(2, lambda rank: waves[rank].join())
     return waves
-
-
-def _on_both(body: Callable[[int], object]) -> None:
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            body(rank)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    if errors:
-        raise errors[0]
 
 
 def test_a_request_racing_the_end_of_a_wave_starts_the_next_one_and_old_wakes_do_nothing(
@@ -81,7 +70,7 @@ def test_a_request_racing_the_end_of_a_wave_starts_the_next_one_and_old_wakes_do
         for _ in range(SYNC_INTERVAL):
             waves[rank].end_turn(has_unfinished=False)
 
-    _on_both(finish_wave)
+    on_each_rank(2, finish_wave)
     assert all(not w.is_running and w.current_wave == 1 for w in waves)
     # Wave 0's wake key is still in the store: it starts nothing now.
     waves[1].maybe_start(has_local_work=False)

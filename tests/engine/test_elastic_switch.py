@@ -28,7 +28,13 @@ from shoal.engine.elastic import (
 )
 from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
 from shoal.engine.protocol import EEP_NOTIFICATION_CALL_ID, EngineCoreRequestType
-from tests.engine.core_proc_utils import RawPeer, request, running_engine, tiny_config
+from tests.engine.core_proc_utils import (
+    RawPeer,
+    on_each_rank,
+    request,
+    running_engine,
+    tiny_config,
+)
 from tests.factories import make_tiny_checkpoint
 
 
@@ -51,28 +57,8 @@ def _waves(store: TCPStore, num_ranks: int = 2) -> list[DPWave]:
         )
         for rank in range(num_ranks)
     ]
-    _on_each(num_ranks, lambda rank: waves[rank].join())
+    on_each_rank(num_ranks, lambda rank: waves[rank].join())
     return waves
-
-
-def _on_each(num_ranks: int, body: Callable[[int], object]) -> list[object]:
-    results: list[object] = [None] * num_ranks
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(rank)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _plan(waves: list[DPWave], num_ranks: int, **kwargs: object) -> ScalePlan:
@@ -103,7 +89,7 @@ def test_paused_ranks_agree_on_the_switch_and_one_leaves(store: TCPStore) -> Non
     for wave in waves:
         wave.maybe_start(has_local_work=False, ready_epoch=plan.epoch)
     assert [w.agreed_switch for w in waves] == [plan.epoch, plan.epoch]
-    outcomes = _on_each(2, lambda r: waves[r].switch(plan, _commit(waves[r], plan)))
+    outcomes = on_each_rank(2, lambda r: waves[r].switch(plan, _commit(waves[r], plan)))
     assert outcomes == [(SwitchOutcome.COMMITTED, ""), (SwitchOutcome.LEFT, "")]
     assert waves[1].has_left and waves[1].groups is None
     survivor = waves[0]
@@ -130,11 +116,11 @@ def test_a_rank_with_work_decides_first_and_the_switch_waits_for_the_wave_sync(
         for _ in range(SYNC_INTERVAL):
             waves[rank].end_turn(has_unfinished=True, ready_epoch=plan.epoch)
 
-    _on_each(2, run_wave)
+    on_each_rank(2, run_wave)
     # Both agreed at the same forward, with work left: the wave ends for the switch.
     assert [w.agreed_switch for w in waves] == [plan.epoch, plan.epoch]
     assert not any(w.is_running for w in waves)
-    outcomes = _on_each(2, lambda r: waves[r].switch(plan, _commit(waves[r], plan)))
+    outcomes = on_each_rank(2, lambda r: waves[r].switch(plan, _commit(waves[r], plan)))
     assert outcomes == [(SwitchOutcome.COMMITTED, "")] * 2
     assert all(w.current_wave == 1 for w in waves)
     for wave in waves:
@@ -147,7 +133,7 @@ def test_a_set_that_does_not_form_rolls_back_to_the_old_one(store: TCPStore) -> 
     plan = _plan(waves, 3, switch_timeout_s=1.0)  # rank 2 never comes
     committed: list[int] = []
     start = time.monotonic()
-    outcomes = _on_each(2, lambda r: waves[r].switch(plan, lambda: committed.append(r)))
+    outcomes = on_each_rank(2, lambda r: waves[r].switch(plan, lambda: committed.append(r)))
     assert [o[0] for o in outcomes] == [SwitchOutcome.ROLLED_BACK] * 2  # type: ignore[index]
     assert "rank(s) [2]" in str(outcomes[0])
     assert time.monotonic() - start < 10
@@ -156,7 +142,7 @@ def test_a_set_that_does_not_form_rolls_back_to_the_old_one(store: TCPStore) -> 
         assert wave.groups is not None and wave.groups.world_size == 2
         assert wave.groups.generation == old_generation + 1
         assert wave.rendezvous.group_name != plan.group_name
-    sums = _on_each(2, lambda r: waves[r].groups.all_reduce_max([r]))  # type: ignore[union-attr]
+    sums = on_each_rank(2, lambda r: waves[r].groups.all_reduce_max([r]))  # type: ignore[union-attr]
     assert sums == [[1], [1]]
     for wave in waves:
         wave.leave()
@@ -167,7 +153,7 @@ def test_an_aborted_join_ends_at_once(store: TCPStore) -> None:
     plan = _plan(waves, 3, switch_timeout_s=60.0)
     PrefixStore(f"{plan.group_name}/", store).set(ABORT_KEY, "1")
     start = time.monotonic()
-    outcomes = _on_each(2, lambda r: waves[r].switch(plan, lambda: None))
+    outcomes = on_each_rank(2, lambda r: waves[r].switch(plan, lambda: None))
     assert [o[0] for o in outcomes] == [SwitchOutcome.ROLLED_BACK] * 2  # type: ignore[index]
     assert "aborted" in str(outcomes[0])
     assert time.monotonic() - start < 10

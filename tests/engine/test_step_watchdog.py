@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.engine.core_proc import STEP_TIMEOUT_EXIT_CODE, start_engine_process, stop_engine_process
+from shoal.engine.core_proc import STEP_TIMEOUT_EXIT_CODE
+from shoal.engine.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.protocol import ENGINE_CORE_DEAD, EngineCoreRequestType
 from shoal.engine.step_watchdog import StepWatchdog
 from tests.engine.core_proc_utils import RawPeer, request, tiny_config
