@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.connection_gate import MAX_CONNECTIONS, ConnectionGate
 from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
 from shoal.engine.curve import (
@@ -33,6 +34,7 @@ from shoal.engine.curve import (
     ZapHandler,
     client_key_name,
     curve_server,
+    open_server,
 )
 from shoal.engine.distributed import Rendezvous
 from shoal.engine.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
@@ -135,6 +137,8 @@ class EngineCoreProc:
             cluster): it joins the new set's groups when its busy loop starts, as the old
             ranks switch, instead of in the constructor. Resizes: `elastic`
             (`shoal.engine.elastic_rank`).
+        max_connections: past this many connections to the input socket, a handshake is
+            refused unless it proves a cluster key (`shoal.engine.connection_gate`).
 
     Raises:
         ModelLoadError, ValueError: from `EngineCore`.
@@ -161,6 +165,7 @@ class EngineCoreProc:
         rendezvous: Rendezvous | None = None,
         keys: EngineKeys | None = None,
         joining: ScalePlan | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
@@ -178,15 +183,25 @@ class EngineCoreProc:
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._keys = keys
         self._client_keys: KeyRing | None = None
-        self._zap: ZapHandler | None = None
+        # Every handshake on the input socket, with CURVE or without, passes the ZAP handler,
+        # which holds the connection cap (`shoal.engine.connection_gate`).
+        self._gate = ConnectionGate(
+            self._ctx, router, max_connections, f"engine {engine_index}'s input"
+        )
         if keys is not None:
             self._client_keys = KeyRing(
                 {client_key_name(i): key for i, key in keys.clients.items()}
             )
-            rings = {ENGINE_INPUT_DOMAIN: self._client_keys}
-            self._zap = ZapHandler(self._ctx, rings, f"engine {engine_index}")
-            self._zap.start()
             curve_server(router, keys.engine, ENGINE_INPUT_DOMAIN)
+        else:
+            open_server(router, ENGINE_INPUT_DOMAIN)
+        self._zap = ZapHandler(
+            self._ctx,
+            {ENGINE_INPUT_DOMAIN: self._client_keys},
+            f"engine {engine_index}",
+            gates={ENGINE_INPUT_DOMAIN: self._gate},
+        )
+        self._zap.start()
         self._input_address = self._bind(router, host, transport)
         facts = self.engine_core.facts(self._identity)
         methods = self.UTILITY_METHODS
@@ -554,9 +569,10 @@ class EngineCoreProc:
             if self._input_thread.is_alive() or self._output_thread.is_alive():
                 logger.warning("engine %d IO threads did not stop", self.engine_index)
             else:
-                if self._zap is not None:
-                    self._zap.stop()
-                    self._zap.join(timeout=2)
+                self._zap.stop()
+                self._zap.join(timeout=2)
+                if not self._zap.is_alive():
+                    self._gate.close()
                 self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -19,6 +19,11 @@ State machine of one connection to a CURVE server socket:
     OPEN ──the owner's key revoked──▶ OPEN (ZAP runs per connection; the owner of the socket
                                       closes what it no longer serves, e.g. an engine detaches)
 
+A socket with a `ConnectionGate` (an engine's input) also refuses, past its connection cap, a
+handshake that proves no cluster key (ZAP status 400); admitted keys always get in. A socket
+made open (`open_server`, an engine run without CURVE) admits peers without CURVE through the
+same handler, so its cap holds too.
+
 An engine's side of a client's attach, on top of it (`shoal.engine.core_io`):
 
     OPEN as "client:<i>" ──HELLO with client_index i──▶ engine connects a CURVE PUSH to the
@@ -42,6 +47,8 @@ from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils import z85
+
+from shoal.engine.connection_gate import ConnectionGate
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +167,13 @@ def curve_server(socket: zmq.Socket, keys: CurveKeyPair, domain: str) -> None:
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
 
 
+def open_server(socket: zmq.Socket, domain: str) -> None:
+    """Makes `socket` (before it binds) a server without CURVE whose handshakes still pass the
+    ZAP handler (an open domain: its connection cap, if it has one, applies)."""
+    socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+    socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
 def curve_client(socket: zmq.Socket, keys: CurveKeyPair, server_key: bytes) -> None:
     """Makes `socket` (before its next connect) a CURVE client of the server `server_key`.
 
@@ -182,7 +196,7 @@ def peer_name(frame: zmq.Frame) -> str | None:
         name = frame.get("User-Id")
     except zmq.ZMQError:
         return None
-    return name if isinstance(name, str) else None
+    return name if isinstance(name, str) and name else None
 
 
 class ZapHandler(threading.Thread):
@@ -190,14 +204,24 @@ class ZapHandler(threading.Thread):
     ring of the socket's domain. Bound when built, so servers made after it are covered.
 
     Args:
-        ctx: the context whose CURVE servers it answers for (one handler per context).
-        rings: domain → the keys admitted there.
+        ctx: the context whose server sockets it answers for (one handler per context).
+        rings: domain → the keys admitted there; None: an open domain, where peers without
+            CURVE (the NULL mechanism) are admitted, unnamed.
         owner: how log lines name the process ("engine 2", "client 5", "coordinator").
+        gates: domain → the cap on that domain's socket's connections
+            (`shoal.engine.connection_gate`); the handler polls their monitors.
     """
 
-    def __init__(self, ctx: zmq.Context, rings: Mapping[str, KeyRing], owner: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        rings: Mapping[str, KeyRing | None],
+        owner: str,
+        gates: Mapping[str, ConnectionGate] | None = None,
+    ) -> None:
         super().__init__(name=f"ZapHandler[{owner}]", daemon=True)
         self._rings = dict(rings)
+        self._gates = dict(gates or {})
         self._owner = owner
         self._socket = ctx.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -211,10 +235,18 @@ class ZapHandler(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        gates = {gate.events: gate for gate in self._gates.values()}
+        for events in gates:
+            poller.register(events, zmq.POLLIN)
         try:
             while not self._stop_event.is_set():
-                if self._socket.poll(_ZAP_POLL_MS):
-                    self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+                for socket, _ in poller.poll(_ZAP_POLL_MS):
+                    if socket is self._socket:
+                        self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+                    elif (gate := gates.get(socket)) is not None:
+                        gate.on_events()
         except zmq.ZMQError:  # the context was terminated (or destroyed) under it
             pass
         finally:
@@ -224,18 +256,31 @@ class ZapHandler(threading.Thread):
     def _answer(self, request: list[bytes]) -> list[bytes]:
         if len(request) < 6:  # libzmq never sends this; answer so the REP stays in step
             return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, domain, address, _, mechanism = request[:6]
+        version, request_id, domain_bytes, address, _, mechanism = request[:6]
         if version != b"1.0":
             return [b"1.0", request_id, b"500", b"unsupported ZAP version", b"", b""]
-        ring = self._rings.get(domain.decode(errors="replace"))
-        if mechanism != b"CURVE" or len(request) != 7 or ring is None:
-            return [version, request_id, b"400", b"CURVE with a known domain only", b"", b""]
-        public_key = z85.encode(request[6])
-        name = ring.name_of(public_key)
-        if name is None:
-            self._log_refusal(public_key, address, domain)
-            return [version, request_id, b"400", b"key not admitted", b"", b""]
-        return [version, request_id, b"200", b"OK", name.encode(), b""]
+        domain = domain_bytes.decode(errors="replace")
+        if domain not in self._rings:
+            return [version, request_id, b"400", b"unknown domain", b"", b""]
+        ring = self._rings[domain]
+        name: str | None = None
+        if ring is None:  # an open socket: any peer without CURVE, as room allows
+            if mechanism != b"NULL":
+                return [version, request_id, b"400", b"no CURVE on this socket", b"", b""]
+        else:
+            if mechanism != b"CURVE" or len(request) != 7:
+                return [version, request_id, b"400", b"CURVE only", b"", b""]
+            public_key = z85.encode(request[6])
+            name = ring.name_of(public_key)
+            if name is None:
+                self._log_refusal(public_key, address, domain_bytes)
+                return [version, request_id, b"400", b"key not admitted", b"", b""]
+        gate = self._gates.get(domain)
+        if gate is not None:
+            refusal = gate.refusal(name is not None, address.decode(errors="replace"))
+            if refusal is not None:
+                return [version, request_id, *refusal, b"", b""]
+        return [version, request_id, b"200", b"OK", (name or "").encode(), b""]
 
     def _log_refusal(self, public_key: bytes, address: bytes, domain: bytes) -> None:
         self.num_refused += 1

@@ -150,10 +150,19 @@ class ClosedEngine:
 
 
 @contextmanager
-def closed_engine(checkpoint: str, num_clients: int = 3, **kwargs: Any) -> Iterator[ClosedEngine]:
+def closed_engine(
+    checkpoint: str,
+    num_clients: int = 3,
+    *,
+    max_connections: int | None = None,
+    **kwargs: Any,
+) -> Iterator[ClosedEngine]:
+    """Config `kwargs` go to `tiny_config`; `max_connections` to the engine."""
     keys = {i: CurveKeyPair.generate() for i in range(1, num_clients + 1)}
     engine_keys = EngineKeys(CurveKeyPair.generate(), {i: k.public for i, k in keys.items()})
-    with running_engine(tiny_config(checkpoint, **kwargs), keys=engine_keys) as served:
+    extra = {} if max_connections is None else {"max_connections": max_connections}
+    config = tiny_config(checkpoint, **kwargs)
+    with running_engine(config, keys=engine_keys, **extra) as served:
         yield ClosedEngine(served, keys)
 
 
