@@ -10,11 +10,14 @@ between two tokens of one request) are measured the same way on both sides.
 
 vLLM runs from `.bench/vllm-venv` on `.bench/smollm2-135m` (both made by
 `bench/setup_vllm_peer.sh`) with `VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
-VLLM_CPU_KVCACHE_SPACE=4`; shoal serves the GGUF those weights were converted from.
+VLLM_CPU_KVCACHE_SPACE=4`; shoal serves the GGUF those weights were converted from, whose
+Q4_1 / Q8_0 blocks its decode steps of few rows compute from (the same weight values; see
+`engine/quant_matmul_kernel.py`). `--with-dense` adds shoal on vLLM's own safetensors directory
+(fp32 weights only) as a third engine.
 
     .venv/bin/python bench/engine_vs_vllm.py [--rounds 2] [--parts offline,single]
         [--num-requests 32] [--shoal-arg max_num_batched_tokens=1024 ...]
-        [--baseline-root /path/to/an/earlier/checkout]
+        [--baseline-root /path/to/an/earlier/checkout] [--with-dense]
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
     offline_budget = getattr(engine_config, "OFFLINE_MAX_NUM_BATCHED_TOKENS", None)
     if offline_budget is not None:
         engine_args.setdefault("max_num_batched_tokens", offline_budget)
+    model = job["shoal_model"] or smollm2_gguf_path()
     config = EngineConfig.from_kwargs(
-        smollm2_gguf_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_args
+        model, dtype="float32", max_model_len=MAX_MODEL_LEN, **engine_args
     )
     core = EngineCore(config)
 
@@ -177,6 +181,8 @@ def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, flo
         "max_tokens": max_tokens,
         "vllm_model": str(VLLM_MODEL),
         "shoal_root": str(args.baseline_root if engine == "base" else ROOT),
+        # "dense": shoal on vLLM's safetensors directory, so no GGUF blocks, only fp32 weights.
+        "shoal_model": str(VLLM_MODEL) if engine == "dense" else None,
         "engine_args": dict(_parse_kv(a) for a in extra),
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -258,6 +264,12 @@ def main() -> None:
         help="another shoal checkout (e.g. `git worktree` of an earlier commit) run as a third "
         "engine, 'base', in the same rounds",
     )
+    parser.add_argument(
+        "--with-dense",
+        action="store_true",
+        help="also run shoal on the safetensors directory vLLM serves ('dense': fp32 weights "
+        "only, no decode steps from the GGUF blocks)",
+    )
     parser.add_argument("--shoal-arg", action="append", default=[], help="engine kwarg k=v")
     parser.add_argument("--vllm-arg", action="append", default=[], help="EngineArgs k=v")
     parser.add_argument("--worker", choices=["shoal", "vllm"], help=argparse.SUPPRESS)
@@ -272,6 +284,7 @@ def main() -> None:
         sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
     print(f"load average before: {_load()}")
     engines = ["shoal", "vllm"] + (["base"] if args.baseline_root else [])
+    engines += ["dense"] if args.with_dense else []
     for part in args.parts.split(","):
         prompts, max_tokens = make_workload(part, args.seed, args.num_requests)
         print(

@@ -27,6 +27,7 @@ from shoal.engine.model_arch import ModelArch
 from shoal.engine.models import LlamaForCausalLM, get_model_class
 from shoal.engine.models.layers import can_pack_weights
 from shoal.engine.paged_attention_kernel import PagedDecodeKernel, is_supported, load_decode_kernel
+from shoal.engine.quant_matmul_kernel import QuantizedWeight, load_quant_kernel
 from shoal.engine.sampler import Sampler
 from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -117,8 +118,18 @@ class ModelRunner:
             return None
         return load_decode_kernel()
 
-    def load_model(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_model(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        blocks: Iterable[tuple[str, QuantizedWeight]] | None = None,
+    ) -> None:
         """Builds the model for `arch` and loads HF-named tensors into it.
+
+        Args:
+            weights: (HF name, tensor) pairs.
+            blocks: a GGUF checkpoint's quantized projections; on CPU in float32, steps of
+                few rows compute from them (`shoal.engine.quant_matmul_kernel`), when the
+                kernel can be built.
 
         Raises:
             ModelLoadError: unsupported architecture, unknown / missing tensor, shape mismatch.
@@ -135,6 +146,10 @@ class ModelRunner:
         model.load_weights(weights)
         if can_pack_weights(self.device, self.dtype):
             model.pack_weights()
+        if blocks is not None and self.device.type == "cpu" and self.dtype == torch.float32:
+            kernel = load_quant_kernel()
+            if kernel is not None:
+                model.load_blocks(blocks, kernel)
         self.model = model.eval()
         if self.kv_cache is not None:
             self._bind_kv_cache()

@@ -3,7 +3,8 @@
 
 Compiled on first use with the system C compiler into a cache keyed by source, flags, compiler
 and CPU, then loaded with ctypes. Knows tensors, pointers and strides; not requests, metadata or
-models. When the kernel cannot be had it says so once and callers keep the torch path.
+models. When the kernel cannot be had it says so once and callers keep the torch path. The
+build and cache (`build_kernel`, `load_cpu_kernel`) serve every kernel of engine/csrc.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -221,10 +225,19 @@ def load_decode_kernel() -> PagedDecodeKernel | None:
 
 @functools.cache
 def _load_once() -> PagedDecodeKernel | None:
+    return load_cpu_kernel(PagedDecodeKernel, SOURCE_PATH, "paged attention", "the torch path")
+
+
+def load_cpu_kernel(
+    wrap: Callable[[Path], K], source_path: Path, what: str, instead: str
+) -> K | None:
+    """Builds (or finds in the cache) one of engine/csrc's kernels and wraps the shared object;
+    None, with one warning naming `what` fails and what serves `instead`, when it cannot be
+    built or loaded. Callers cache the answer for the process."""
     try:
-        return PagedDecodeKernel(build_kernel())
+        return wrap(build_kernel(source_path=source_path))
     except (KernelBuildError, OSError) as e:
-        logger.warning("paged attention CPU kernel unavailable, using the torch path: %s", e)
+        logger.warning("%s CPU kernel unavailable, using %s: %s", what, instead, e)
         return None
 
 
@@ -234,7 +247,12 @@ def kernel_cache_dir() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "shoal" / "kernels"
 
 
-def build_kernel(cache_dir: Path | None = None, *, extra_cflags: tuple[str, ...] = ()) -> Path:
+def build_kernel(
+    cache_dir: Path | None = None,
+    *,
+    extra_cflags: tuple[str, ...] = (),
+    source_path: Path = SOURCE_PATH,
+) -> Path:
     """The path of the kernel built for this source, compiler, flags and CPU; compiles it if
     the cache lacks it. Concurrent builders each compile to a temp file and rename, so a
     reader never sees a partial file.
@@ -242,19 +260,21 @@ def build_kernel(cache_dir: Path | None = None, *, extra_cflags: tuple[str, ...]
     Args:
         cache_dir: where to look and build; default `kernel_cache_dir()`.
         extra_cflags: appended to CFLAGS (e.g. "-DSHOAL_PORTABLE" for the shuffle-free path).
+        source_path: the C file (default the paged attention kernels; every CPU kernel of
+            `engine/csrc` is built and cached this way).
 
     Raises:
         KernelBuildError: no C compiler, or the compile failed.
     """
     compiler = _find_compiler()
-    source = SOURCE_PATH.read_bytes()
+    source = source_path.read_bytes()
     flags = (*CFLAGS, *extra_cflags)
     key = hashlib.sha256()
     for part in (source, " ".join(flags).encode(), _compiler_identity(compiler), _cpu_identity()):
         key.update(part)
         key.update(b"\0")
     directory = cache_dir or kernel_cache_dir()
-    target = directory / f"paged_attention-{key.hexdigest()[:24]}.so"
+    target = directory / f"{source_path.stem}-{key.hexdigest()[:24]}.so"
     if target.exists():
         return target
     try:
@@ -264,7 +284,7 @@ def build_kernel(cache_dir: Path | None = None, *, extra_cflags: tuple[str, ...]
         raise KernelBuildError(f"cannot write to the kernel cache {directory}: {e}") from e
     os.close(fd)
     try:
-        cmd = [compiler, *flags, "-o", tmp, str(SOURCE_PATH)]
+        cmd = [compiler, *flags, "-o", tmp, str(source_path)]
         try:
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -14,7 +14,7 @@ import torch
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.expert_parallel import ExpertParallel
-from shoal.engine.loader import load_weights
+from shoal.engine.loader import load_blocks, load_weights
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -68,7 +68,8 @@ class Worker:
         Raises:
             ModelLoadError: the checkpoint cannot be read.
         """
-        self.model_runner.load_model(load_weights(self.config.model.model))
+        path = self.config.model.model
+        self.model_runner.load_model(load_weights(path), blocks=load_blocks(path))
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()

@@ -26,9 +26,12 @@ from shoal.engine.model_arch import ModelArch
 if TYPE_CHECKING:
     import torch
 
+    from shoal.engine.quant_matmul_kernel import QuantizedWeight
+
 __all__ = [
     "SafetensorsReader",
     "is_gguf_path",
+    "load_blocks",
     "load_model_arch",
     "load_weights",
     "smollm2_gguf_path",
@@ -103,6 +106,20 @@ def load_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     model_dir = _checkpoint_dir(path)
     weight_files(model_dir)  # fail before the first tensor, not after some were consumed
     return iter_safetensors_weights(model_dir)
+
+
+def load_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]] | None:
+    """A GGUF checkpoint's quantized projections as blocks (`iter_gguf_blocks`), for the CPU
+    kernel that computes decode steps from them; None for other checkpoints.
+
+    Raises:
+        ModelLoadError: as `load_weights`.
+    """
+    if not is_gguf_path(path):
+        return None
+    from shoal.engine.loader.gguf_loader import iter_gguf_blocks
+
+    return iter_gguf_blocks(path)
 
 
 def _checkpoint_dir(path: str) -> Path:

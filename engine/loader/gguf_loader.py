@@ -19,6 +19,7 @@ from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader.gguf_arch import model_arch_from_gguf
 from shoal.engine.loader.gguf_file import GGUFFile, read_gguf
 from shoal.engine.model_arch import ModelArch
+from shoal.engine.quant_matmul_kernel import QuantizedWeight, is_quantizable
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -90,6 +91,32 @@ def _iter_tensors(header: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torc
         elif ".attn_k." in gguf_name:
             tensor = unpermute_rotary_rows(tensor, arch.num_key_value_heads)
         yield name, tensor
+
+
+def iter_gguf_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]]:
+    """The quantized 2-D tensors the CPU kernel computes with, as blocks, under their
+    transformers names; q_proj / k_proj rows in Hugging Face order, as `iter_gguf_weights`.
+    Tensors of other types (F32, F16, types the kernel lacks) are not yielded.
+
+    Raises:
+        ModelLoadError: as `model_arch_from_gguf`.
+    """
+    header = read_gguf(path)
+    arch = model_arch_from_gguf(path, header)
+    for gguf_name, info in header.tensors.items():
+        name = hf_tensor_name(gguf_name)
+        if name is None or len(info.torch_shape) != 2:
+            continue
+        rows, in_features = info.torch_shape
+        if not is_quantizable(info.ggml_type, in_features):
+            continue
+        raw = np.ascontiguousarray(header.raw_tensor(gguf_name)).reshape(rows, -1)
+        blocks = torch.from_numpy(raw.copy()).view(torch.uint8)
+        if ".attn_q." in gguf_name:
+            blocks = unpermute_rotary_rows(blocks, arch.num_attention_heads)
+        elif ".attn_k." in gguf_name:
+            blocks = unpermute_rotary_rows(blocks, arch.num_key_value_heads)
+        yield name, QuantizedWeight(info.ggml_type, blocks, in_features)
 
 
 def unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.errors import ModelLoadError
+from shoal.engine.quant_matmul_kernel import QuantizedWeight, QuantMatmulKernel
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -55,6 +56,40 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
+def load_blocks(
+    slots: BlockSlots, blocks: Iterable[tuple[str, QuantizedWeight]], kernel: QuantMatmulKernel
+) -> int:
+    """Hands each projection the GGUF blocks of all its parts (a fused projection's parts are
+    stacked in order); a projection missing a part, or whose parts differ in type, keeps its
+    dense weight only. Returns how many projections took blocks.
+
+    Args:
+        slots: HF name → (projection, part index, number of parts).
+        blocks: (HF name, blocks) pairs; names without a slot are ignored.
+        kernel: the loaded kernel.
+
+    Raises:
+        ModelLoadError: blocks whose shape is not their projection's.
+    """
+    parts: dict[Linear, dict[int, QuantizedWeight]] = {}
+    for name, weight in blocks:
+        if name in slots:
+            linear, index, _ = slots[name]
+            parts.setdefault(linear, {})[index] = weight
+    counts = {linear: count for linear, _, count in slots.values()}
+    loaded = 0
+    for linear, by_index in parts.items():
+        if len(by_index) != counts[linear]:
+            continue
+        try:
+            fused = QuantizedWeight.concat([by_index[i] for i in range(counts[linear])])
+        except ValueError:
+            continue
+        linear.use_blocks(kernel, fused)
+        loaded += 1
+    return loaded
+
+
 @runtime_checkable
 class Packable(Protocol):
     def pack(self) -> None:
@@ -76,14 +111,35 @@ class Linear(nn.Module):
         device: torch.device,
     ):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
+        # The checkpoint's GGUF blocks, for steps of few rows (`shoal.engine.quant_matmul_kernel`).
+        self.quantized: tuple[QuantMatmulKernel, QuantizedWeight] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized[0].max_rows:
+            kernel, blocks = self.quantized
+            return kernel.linear(x, blocks, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def use_blocks(self, kernel: QuantMatmulKernel, blocks: QuantizedWeight) -> None:
+        """Computes steps of at most `kernel.max_rows` rows from `blocks` (the same weights,
+        as GGUF stores them); larger steps keep the dense weight.
+
+        Raises:
+            ModelLoadError: the blocks' shape is not this projection's.
+        """
+        expected = (self.out_features, self.in_features)
+        if (blocks.out_features, blocks.in_features) != expected:
+            raise ModelLoadError(
+                f"quantized blocks of {blocks.out_features}x{blocks.in_features} for a "
+                f"{expected[0]}x{expected[1]} projection"
+            )
+        self.quantized = (kernel, blocks)
 
     def pack(self) -> None:
         if not is_worth_packing(self.weight):
@@ -91,6 +147,10 @@ class Linear(nn.Module):
         self.packed = pack_weight(self.weight)
         # Only this module's reference goes: a tied embedding keeps its dense table.
         del self.weight
+
+
+# HF tensor name → (the projection it is part of, its part index, the number of parts).
+BlockSlots = dict[str, tuple[Linear, int, int]]
 
 
 class RMSNorm(nn.Module):
@@ -215,6 +275,10 @@ class FeedForward(nn.Module):
         """Where each HF tensor under `layer_prefix` (e.g. "model.layers.3") goes."""
         raise NotImplementedError
 
+    def block_slots(self, layer_prefix: str) -> BlockSlots:
+        """The projections that can compute from a checkpoint's GGUF blocks (none here)."""
+        return {}
+
 
 class GatedMLP(FeedForward):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection."""
@@ -231,6 +295,15 @@ class GatedMLP(FeedForward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         return self.down_proj(silu_and_mul(gate_up, self.intermediate_size))
+
+    def block_slots(self, layer_prefix: str) -> BlockSlots:
+        prefix = f"{layer_prefix}.mlp"
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return {
+            f"{prefix}.gate_proj.weight": (gate_up, 0, 2),
+            f"{prefix}.up_proj.weight": (gate_up, 1, 2),
+            f"{prefix}.down_proj.weight": (down, 0, 1),
+        }
 
     def weight_map(self, layer_prefix: str) -> WeightMap:
         """HF names under `{layer_prefix}.mlp`."""

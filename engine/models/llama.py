@@ -17,6 +17,7 @@ from torch import nn
 from shoal.engine.attention import AttentionMetadata, AttentionWorkspace, PagedAttention
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models.layers import (
+    BlockSlots,
     FeedForward,
     GatedMLP,
     Linear,
@@ -26,7 +27,9 @@ from shoal.engine.models.layers import (
     RotaryEmbedding,
     WeightMap,
     empty_param,
+    load_blocks,
 )
+from shoal.engine.quant_matmul_kernel import QuantizedWeight, QuantMatmulKernel
 
 
 class LlamaAttention(nn.Module):
@@ -62,6 +65,14 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
+
+    def block_slots(self, layer_prefix: str) -> BlockSlots:
+        prefix = f"{layer_prefix}.self_attn"
+        slots: BlockSlots = {
+            f"{prefix}.{name}_proj.weight": (self.qkv_proj, i, 3) for i, name in enumerate("qkv")
+        }
+        slots[f"{prefix}.o_proj.weight"] = (self.o_proj, 0, 1)
+        return slots
 
     def weight_map(self, layer_prefix: str) -> WeightMap:
         """HF names under `{layer_prefix}.self_attn`."""
@@ -205,6 +216,29 @@ class LlamaForCausalLM(nn.Module):
         if not self.arch.tie_word_embeddings:
             wm.add("lm_head.weight", self.lm_head.weight)
         return wm
+
+    def block_slots(self) -> BlockSlots:
+        """Where a GGUF checkpoint's blocks can serve (`Linear.use_blocks`): the attention and
+        dense MLP projections, and the LM head (the embedding's blocks when tied)."""
+        slots: BlockSlots = {}
+        for i, layer in enumerate(self.layers):
+            decoder = cast(DecoderLayer, layer)
+            slots.update(decoder.self_attn.block_slots(f"model.layers.{i}"))
+            slots.update(decoder.mlp.block_slots(f"model.layers.{i}"))
+        head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
+        slots[head] = (self.lm_head, 0, 1)
+        return slots
+
+    def load_blocks(
+        self, blocks: Iterable[tuple[str, QuantizedWeight]], kernel: QuantMatmulKernel
+    ) -> int:
+        """Gives the projections their GGUF blocks for few-row steps (after `load_weights`);
+        returns how many took them.
+
+        Raises:
+            ModelLoadError: blocks whose shape is not their projection's.
+        """
+        return load_blocks(self.block_slots(), blocks, kernel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors (any dtype; cast on copy).

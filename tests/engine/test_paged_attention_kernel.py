@@ -318,12 +318,11 @@ def test_concurrent_builds_leave_one_complete_file(tmp_path: Path) -> None:
     PagedDecodeKernel(paths[0])  # loads
 
 
-def test_compile_error_is_a_build_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_error_is_a_build_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(pak, "SOURCE_PATH", bad)
     with pytest.raises(KernelBuildError, match="failed"):
-        build_kernel(tmp_path / "cache")
+        build_kernel(tmp_path / "cache", source_path=bad)
     assert list((tmp_path / "cache").iterdir()) == []
 
 
