@@ -19,13 +19,14 @@ from __future__ import annotations
 import hmac
 from http import HTTPStatus
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal import __version__
 from shoal.deploy.metrics import CONTENT_TYPE
 from shoal.deploy.openai.chat import create_chat_completion
 from shoal.deploy.openai.completions import create_completion
+from shoal.deploy.openai.disconnect import unless_disconnected
 from shoal.deploy.openai.elastic import is_scaling_elastic_ep, scale_elastic_ep
 from shoal.deploy.openai.errors import OpenAIError, error_response, install_handlers
 from shoal.deploy.openai.protocol import (
@@ -115,12 +116,12 @@ def build_app(state: ServerState) -> FastAPI:
         return ModelList(data=[card])
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
-        return await create_completion(state, request)
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await unless_disconnected(raw, create_completion(state, request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await create_chat_completion(state, request)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await unless_disconnected(raw, create_chat_completion(state, request))
 
     @app.post("/tokenize")
     async def tokenize_route(request: TokenizeRequest) -> TokenizeResponse:

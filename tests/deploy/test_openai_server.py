@@ -7,6 +7,8 @@ One cluster serves the whole module; the tests run in order and read `/metrics` 
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -261,6 +263,33 @@ def test_dropping_the_connection_mid_stream_frees_the_blocks(
             break
         assert time.monotonic() - closed_at < 2.0, f"running {running}, KV usage {usage}"
         time.sleep(0.05)
+
+
+def test_dropping_the_connection_of_a_non_streamed_request_aborts_it(served: FrontEnd) -> None:
+    finished_before = total(scrape(served.base_url), "vllm:request_success_total")
+    host, port = served.base_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}
+    )
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    connection.request("POST", "/v1/completions", body=body, headers=headers)
+    deadline = time.monotonic() + 10
+    while total(scrape(served.base_url), "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the request never showed as running"
+        time.sleep(0.02)
+    connection.close()  # before any response: the client is gone
+    closed_at = time.monotonic()
+    while True:
+        samples = scrape(served.base_url)
+        running = total(samples, "vllm:num_requests_running")
+        usage = total(samples, "vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            break
+        assert time.monotonic() - closed_at < 2.0, f"running {running}, KV usage {usage}"
+        time.sleep(0.05)
+    # Aborted, not finished: no finish of any reason was counted for it.
+    assert total(scrape(served.base_url), "vllm:request_success_total") == finished_before
 
 
 def _completions_totals(base_url: str) -> tuple[float, float, float]:
