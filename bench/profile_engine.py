@@ -40,6 +40,7 @@ RANGES = {
     "shoal::kv_write": "K/V writes into the pool",
 }
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise"}
+BLOCK_MATMUL = "shoal::quant_matmul"
 
 
 def main() -> None:
@@ -84,24 +85,32 @@ def main() -> None:
     for evt in events:
         if evt.name in RANGES:
             totals[RANGES[evt.name]] += evt.cpu_time_total / 1e6
-    range_intervals = [(e.time_range.start, e.time_range.end) for e in events if e.name in RANGES]
-    range_intervals.sort()
+    range_intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.name in RANGES
+    )
+    # The GGUF-block matmuls (a C call in a named range): matmuls, unless a range above holds them.
+    block_intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.name == BLOCK_MATMUL
+    )
 
-    def inside_range(start: float) -> bool:
-        lo, hi = 0, len(range_intervals)
+    def inside(intervals: list[tuple[float, float]], start: float) -> bool:
+        lo, hi = 0, len(intervals)
         while lo < hi:
             mid = (lo + hi) // 2
-            if range_intervals[mid][0] <= start:
+            if intervals[mid][0] <= start:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo > 0 and range_intervals[lo - 1][1] >= start
+        return lo > 0 and intervals[lo - 1][1] >= start
 
     for evt in events:
+        if evt.name == BLOCK_MATMUL and not inside(range_intervals, evt.time_range.start):
+            totals["matmuls (projections, LM head)"] += evt.cpu_time_total / 1e6
         if (
             evt.name in RANGES
             or evt.name.startswith("shoal::")
-            or inside_range(evt.time_range.start)
+            or inside(range_intervals, evt.time_range.start)
+            or inside(block_intervals, evt.time_range.start)
         ):
             continue
         if evt.name in MATMUL_OPS:

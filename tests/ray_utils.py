@@ -27,6 +27,8 @@ import ray
 
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The engine flags every CLI-started tiny test cluster uses: a small KV pool and context.
+TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
 
 
 def unique_namespace(prefix: str = "test") -> str:

@@ -16,9 +16,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ray_utils import REPO_ROOT, RayHead, free_port, ray_env
+from tests.ray_utils import REPO_ROOT, TINY_ENGINE_FLAGS, RayHead, free_port, ray_env
 
-TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 READY_TIMEOUT_S = 240.0

@@ -16,11 +16,16 @@ from shoal.cluster.placement import live_placement_group_names
 from shoal.deploy import cli, serve
 from shoal.engine.config import EngineConfig, engine_kwargs_from_cli
 from tests.factories import make_tiny_checkpoint, smollm2_path
-from tests.ray_utils import REPO_ROOT, free_port, ray_env, ray_local, unique_namespace
+from tests.ray_utils import (
+    REPO_ROOT,
+    TINY_ENGINE_FLAGS,
+    free_port,
+    ray_env,
+    ray_local,
+    unique_namespace,
+)
 
 __all__ = ["ray_local"]
-
-TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
 
 
 @pytest.fixture

@@ -19,13 +19,20 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors, list_placement_groups
 
 from tests.factories import make_tiny_checkpoint
-from tests.ray_utils import RAY_BIN, REPO_ROOT, RayHead, ray_env, ray_head, unique_namespace
+from tests.ray_utils import (
+    RAY_BIN,
+    REPO_ROOT,
+    TINY_ENGINE_FLAGS,
+    RayHead,
+    ray_env,
+    ray_head,
+    unique_namespace,
+)
 
 __all__ = ["ray_head"]
 
 pytestmark = pytest.mark.slow
 
-TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
 READY_TIMEOUT_S = 120.0
 
 
