@@ -239,6 +239,26 @@ def test_tokenize_detokenize(served: FrontEnd, reference: LLM) -> None:
     assert request_json(f"{served.base_url}/detokenize", {"tokens": [10**9]})[0] == 400
 
 
+def _wait_until_running(base_url: str) -> None:
+    deadline = time.monotonic() + 10
+    while total(scrape(base_url), "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the request never showed as running"
+        time.sleep(0.02)
+
+
+def _assert_freed_soon(base_url: str, within_s: float = 2.0) -> None:
+    """No request running and no KV block in use within `within_s` of now."""
+    since = time.monotonic()
+    while True:
+        samples = scrape(base_url)
+        running = total(samples, "vllm:num_requests_running")
+        usage = total(samples, "vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            return
+        assert time.monotonic() - since < within_s, f"running {running}, KV usage {usage}"
+        time.sleep(0.05)
+
+
 def test_dropping_the_connection_mid_stream_frees_the_blocks(
     served: FrontEnd, client: openai.OpenAI
 ) -> None:
@@ -249,20 +269,9 @@ def test_dropping_the_connection_mid_stream_frees_the_blocks(
     for i, _chunk in enumerate(stream):
         if i == 3:
             break
-    deadline = time.monotonic() + 10
-    while total(scrape(served.base_url), "vllm:num_requests_running") < 1:
-        assert time.monotonic() < deadline, "the stream's request never showed as running"
-        time.sleep(0.05)
+    _wait_until_running(served.base_url)
     stream.close()
-    closed_at = time.monotonic()
-    while True:
-        samples = scrape(served.base_url)
-        running = total(samples, "vllm:num_requests_running")
-        usage = total(samples, "vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            break
-        assert time.monotonic() - closed_at < 2.0, f"running {running}, KV usage {usage}"
-        time.sleep(0.05)
+    _assert_freed_soon(served.base_url)
 
 
 def test_dropping_the_connection_of_a_non_streamed_request_aborts_it(served: FrontEnd) -> None:
@@ -274,20 +283,9 @@ def test_dropping_the_connection_of_a_non_streamed_request_aborts_it(served: Fro
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
     connection.request("POST", "/v1/completions", body=body, headers=headers)
-    deadline = time.monotonic() + 10
-    while total(scrape(served.base_url), "vllm:num_requests_running") < 1:
-        assert time.monotonic() < deadline, "the request never showed as running"
-        time.sleep(0.02)
+    _wait_until_running(served.base_url)
     connection.close()  # before any response: the client is gone
-    closed_at = time.monotonic()
-    while True:
-        samples = scrape(served.base_url)
-        running = total(samples, "vllm:num_requests_running")
-        usage = total(samples, "vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            break
-        assert time.monotonic() - closed_at < 2.0, f"running {running}, KV usage {usage}"
-        time.sleep(0.05)
+    _assert_freed_soon(served.base_url)
     # Aborted, not finished: no finish of any reason was counted for it.
     assert total(scrape(served.base_url), "vllm:request_success_total") == finished_before
 
