@@ -23,7 +23,7 @@ the handshake interval and then retry, which is no refusal at all.)
 
 A connection that never starts its handshake never reaches the gate: it holds its descriptor
 until the socket's `HANDSHAKE_IVL` closes it (the engine sets it short, and raises its open-file
-limit). The gate is owned by the thread that polls `events` (the ZAP handler's); `live` may be
+limit with `raise_open_file_limit`). The gate is owned by the thread that polls `events` (the ZAP handler's); `live` may be
 read from any thread.
 """
 
@@ -45,6 +45,20 @@ MAX_CONNECTIONS = 1024
 
 _LIMIT_STATUS = b"400"
 _warnings = LogRateLimiter(logger)
+
+
+def raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to the hard limit: each connection and
+    attached client holds descriptors, and a limit of 1024 would cap an engine at a few
+    hundred clients, well below its connection cap."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as e:  # not POSIX, or not allowed
+        logger.debug("open file limit left as it is: %s", e)
 
 
 class ConnectionGate:

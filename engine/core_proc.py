@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.connection_gate import MAX_CONNECTIONS, ConnectionGate
+from shoal.engine.connection_gate import MAX_CONNECTIONS, ConnectionGate, raise_open_file_limit
 from shoal.engine.core_io import InputThread
 from shoal.engine.core_output import OutputThread
 from shoal.engine.curve import (
@@ -85,19 +85,6 @@ _DEATH_NOTICE_FLUSH_S = 1.0
 HANDSHAKE_IVL_MS = 5000
 # The largest message a peer may send (a prompt of a million tokens is ~5 MB).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-def raise_open_file_limit() -> None:
-    """Raises this process's soft limit on open files to the hard limit: each attached client
-    holds a few descriptors, and a limit of 1024 would cap an engine at a few hundred."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError) as e:  # not POSIX, or not allowed
-        logger.debug("open file limit left as it is: %s", e)
 
 
 class EngineCoreProc:
