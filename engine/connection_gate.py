@@ -22,9 +22,9 @@ At the handshake (ZAP), with `live` the connections counted:
 the handshake interval and then retry, which is no refusal at all.)
 
 A connection that never starts its handshake never reaches the gate: it holds its descriptor
-until the socket's `HANDSHAKE_IVL` closes it (the engine sets it short, and raises its open-file
-limit with `raise_open_file_limit`). The gate is owned by the thread that polls `events` (the ZAP handler's); `live` may be
-read from any thread.
+until the socket's `HANDSHAKE_IVL` closes it (the engine sets it short, and raises its
+open-file limit with `raise_open_file_limit`). The gate is owned by the thread that polls
+`events` (the ZAP handler's); `live` may be read from any thread.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ State machine of one connection to a CURVE server socket:
                                       closes what it no longer serves, e.g. an engine detaches)
 
 A socket with a `ConnectionGate` (an engine's input) also refuses, past its connection cap, a
-handshake that proves no cluster key (ZAP status 400); admitted keys always get in. A socket
+handshake that proves no cluster key (ZAP status 400, logged as the limit at most once per
+5 s instead of once per unknown key); admitted keys always get in. A socket
 made open (`open_server`, an engine run without CURVE) admits peers without CURVE through the
 same handler, so its cap holds too.
 
@@ -264,6 +265,7 @@ class ZapHandler(threading.Thread):
             return [version, request_id, b"400", b"unknown domain", b"", b""]
         ring = self._rings[domain]
         name: str | None = None
+        public_key: bytes | None = None
         if ring is None:  # an open socket: any peer without CURVE, as room allows
             if mechanism != b"NULL":
                 return [version, request_id, b"400", b"no CURVE on this socket", b"", b""]
@@ -272,14 +274,16 @@ class ZapHandler(threading.Thread):
                 return [version, request_id, b"400", b"CURVE only", b"", b""]
             public_key = z85.encode(request[6])
             name = ring.name_of(public_key)
-            if name is None:
-                self._log_refusal(public_key, address, domain_bytes)
-                return [version, request_id, b"400", b"key not admitted", b"", b""]
+        # The cap first: past it, a flood of made-up keys costs one rate-limited line, not a
+        # line per key.
         gate = self._gates.get(domain)
         if gate is not None:
             refusal = gate.refusal(name is not None, address.decode(errors="replace"))
             if refusal is not None:
                 return [version, request_id, *refusal, b"", b""]
+        if public_key is not None and name is None:
+            self._log_refusal(public_key, address, domain_bytes)
+            return [version, request_id, b"400", b"key not admitted", b"", b""]
         return [version, request_id, b"200", b"OK", (name or "").encode(), b""]
 
     def _log_refusal(self, public_key: bytes, address: bytes, domain: bytes) -> None:

@@ -74,6 +74,8 @@ class QuantizedWeight:
         first = parts[0]
         if any(p.ggml_type != first.ggml_type or p.in_features != first.in_features for p in parts):
             raise ValueError("fused parts must share quantization type and in_features")
+        if len(parts) == 1:
+            return first  # an unfused projection: its blocks as they are, no copy
         return QuantizedWeight(
             first.ggml_type, torch.cat([p.blocks for p in parts]).contiguous(), first.in_features
         )

@@ -4,18 +4,23 @@
  * bound by memory: reading 5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32 makes it faster,
  * while many-row steps (prefill) keep the dense fp32 weights and oneDNN.
  *
- * The kernel computes with the blocks' exact values (Q4_1: d * q + m; Q8_0: d * q; d and m
- * fp16) by factoring the scale out of each block's sum: sum_k (d q_k + m) x_k =
- * d (sum_k q_k x_k) + m (sum_k x_k). It rounds differently from a matmul over the dense fp32
- * copy (as any two matmuls' orders of summation do), never by more than fp32 sums do.
- *
  * Layout: row n of W is `row_bytes` bytes of consecutive blocks of 32 weights along K.
  *   Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes qs; byte j holds weight j (low nibble) and
  *                          weight j + 16 (high nibble).
  *   Q8_0 block (34 bytes): fp16 d, 32 int8 q.
- * Work: OpenMP threads split the rows of W; each block's quants are widened to four 8-float
- * vectors once per tile of up to 8 rows of x, so every block is read from memory once per
- * call.
+ *
+ * Two forms; OpenMP threads split the rows of W in both, so every block is read from memory
+ * once per call:
+ *   few rows (fewer than GROUP_MIN_ROWS, or any count without AVX-512): one row of W at a
+ *     time, each block's quants widened to four 8-float vectors once per tile of up to 8 rows
+ *     of x, the block's scale factored out of its sum: sum_k (d q_k + m) x_k =
+ *     d (sum_k q_k x_k) + m (sum_k x_k);
+ *   more rows, AVX-512: groups of four rows of W dequantized (fma(d, q, m)) into an fp32
+ *     buffer in L1, then 4 x 4 register tiles against the rows of x.
+ * Both compute with the blocks' exact values (Q4_1: d * q + m, Q8_0: d * q; d and m fp16) and
+ * round differently from a matmul over the dense fp32 copy only as two orders of summation
+ * do. It needs an x86 CPU with AVX and SSE4.1; elsewhere the build fails and the engine keeps
+ * the dense weights.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,10 +74,12 @@ static uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
-/* 8 consecutive int32 lanes of 4-byte groups a and b, as floats. */
+#if !defined(__AVX2__)
+/* 8 consecutive int32 lanes of 4-byte groups a and b, as floats (AVX without AVX2). */
 static __m256 to_floats(__m128i a, __m128i b) {
     return _mm256_cvtepi32_ps(_mm256_insertf128_si256(_mm256_castsi128_si256(a), b, 1));
 }
+#endif
 
 /* 8 bytes at p as 8 float lanes (unsigned or signed). */
 static __m256 u8_floats(__m128i v) {

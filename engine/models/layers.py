@@ -56,7 +56,7 @@ def packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
-def load_blocks(
+def assign_blocks(
     slots: BlockSlots, blocks: Iterable[tuple[str, QuantizedWeight]], kernel: QuantMatmulKernel
 ) -> int:
     """Hands each projection the GGUF blocks of all its parts (a fused projection's parts are

@@ -26,8 +26,8 @@ from shoal.engine.models.layers import (
     RopeAngles,
     RotaryEmbedding,
     WeightMap,
+    assign_blocks,
     empty_param,
-    load_blocks,
 )
 from shoal.engine.quant_matmul_kernel import QuantizedWeight, QuantMatmulKernel
 
@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ModelLoadError: blocks whose shape is not their projection's.
         """
-        return load_blocks(self.block_slots(), blocks, kernel)
+        return assign_blocks(self.block_slots(), blocks, kernel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors (any dtype; cast on copy).

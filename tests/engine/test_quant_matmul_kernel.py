@@ -33,19 +33,20 @@ def native_kernel() -> QuantMatmulKernel:
     return loaded
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", "avx2", "avx"])
 def kernel(
     request: pytest.FixtureRequest,
     native_kernel: QuantMatmulKernel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> QuantMatmulKernel:
-    """The build for this CPU, and one without AVX-512 (its 8-row tiles), on any x86 CPU."""
+    """The build for this CPU, one without AVX-512 (its 8-row tiles) and one without AVX2
+    either (128-bit integer widening), on any x86 CPU."""
     if request.param == "native":
         return native_kernel
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the AVX2 build is x86 only")
+        pytest.skip("the narrower builds are x86 only")
     cache = tmp_path_factory.mktemp("kernels")
-    flags = ("-mno-avx512f",)
+    flags = ("-mno-avx512f",) if request.param == "avx2" else ("-mno-avx512f", "-mno-avx2")
     return QuantMatmulKernel(build_kernel(cache, extra_cflags=flags, source_path=SOURCE_PATH))
 
 

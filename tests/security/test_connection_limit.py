@@ -12,6 +12,7 @@ from contextlib import ExitStack, contextmanager
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from shoal.engine.curve import CurveKeyPair, curve_client
 from tests.engine.core_proc_utils import running_engine, tiny_config
 from tests.security.peers import closed_engine
 
@@ -33,12 +34,20 @@ def _silent_connections(address: str, count: int) -> Iterator[list[socket.socket
         ]
 
 
-def _handshake_outcome(ctx: zmq.Context, address: str, kept: list[zmq.Socket]) -> tuple[int, int]:
-    """Connects a peer without CURVE (kept open in `kept` if it gets in); its monitor's first
-    handshake event and that event's value (for HANDSHAKE_FAILED_AUTH, the ZAP status)."""
+def _handshake_outcome(
+    ctx: zmq.Context,
+    address: str,
+    kept: list[zmq.Socket],
+    curve: tuple[CurveKeyPair, bytes] | None = None,
+) -> tuple[int, int]:
+    """Connects a peer, without CURVE or with (its key pair, the server's key), kept open in
+    `kept`; its monitor's first handshake event and that event's value (for
+    HANDSHAKE_FAILED_AUTH, the ZAP status)."""
     dealer = ctx.socket(zmq.DEALER)
     kept.append(dealer)
     dealer.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve_client(dealer, *curve)
     monitor = dealer.get_monitor_socket(
         zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     )
@@ -88,5 +97,29 @@ def test_past_the_cap_an_open_engine_refuses_with_the_limit_status(engine_checkp
         ctx = zmq.Context()
         try:
             assert _handshake_outcome(ctx, address, peers)[0] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        finally:
+            ctx.destroy(linger=0)
+
+
+def test_past_the_cap_made_up_keys_are_refused_as_the_limit(engine_checkpoint: str) -> None:
+    ctx = zmq.Context()
+    peers: list[zmq.Socket] = []
+    with closed_engine(engine_checkpoint, num_clients=1, max_connections=2) as closed:
+        gate = closed.served.proc._gate
+        address, server_key = closed.endpoint.input_address, closed.endpoint.public_key
+        try:
+            with _silent_connections(address, 4):
+                _wait_for(lambda: gate.live >= 4)
+                for _ in range(3):  # each a key nobody handed out
+                    stranger = (CurveKeyPair.generate(), server_key)
+                    outcome = _handshake_outcome(ctx, address, peers, curve=stranger)
+                    assert outcome == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)
+                # Counted (and logged) as the limit, not as three unknown keys.
+                assert gate.num_refused == 3
+                peer = closed.attached_peer(1)
+                try:
+                    assert len(peer.generate("past-the-cap", max_tokens=4)) == 4
+                finally:
+                    peer.close()
         finally:
             ctx.destroy(linger=0)
