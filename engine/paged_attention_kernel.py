@@ -32,6 +32,15 @@ SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DISABLE_ENV = "SHOAL_DISABLE_CPU_KERNEL"
 CACHE_ENV = "SHOAL_KERNEL_CACHE"
+# SHOAL_CPU_ISA narrows every kernel build below what -march=native allows, so one machine can
+# run the code a machine with fewer instructions would: "avx2" leaves out AVX-512, "avx" AVX2
+# and FMA as well. Unset or "native": all this CPU has.
+ISA_ENV = "SHOAL_CPU_ISA"
+ISA_CFLAGS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx2": ("-mno-avx512f",),
+    "avx": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+}
 # The C side's buffer bounds (MAX_HEAD_DIM, MAX_GROUP) and dtype codes.
 MAX_HEAD_DIM = 512
 MAX_GROUP = 64
@@ -259,7 +268,8 @@ def build_kernel(
 
     Args:
         cache_dir: where to look and build; default `kernel_cache_dir()`.
-        extra_cflags: appended to CFLAGS (e.g. "-DSHOAL_PORTABLE" for the shuffle-free path).
+        extra_cflags: appended to CFLAGS and $SHOAL_CPU_ISA's flags (e.g. "-DSHOAL_PORTABLE"
+            for the shuffle-free path).
         source_path: the C file (default the paged attention kernels; every CPU kernel of
             `engine/csrc` is built and cached this way).
 
@@ -268,7 +278,7 @@ def build_kernel(
     """
     compiler = _find_compiler()
     source = source_path.read_bytes()
-    flags = (*CFLAGS, *extra_cflags)
+    flags = (*CFLAGS, *isa_cflags(), *extra_cflags)
     key = hashlib.sha256()
     for part in (source, " ".join(flags).encode(), _compiler_identity(compiler), _cpu_identity()):
         key.update(part)
@@ -296,6 +306,18 @@ def build_kernel(
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def isa_cflags() -> tuple[str, ...]:
+    """The flags $SHOAL_CPU_ISA asks for (see ISA_CFLAGS).
+
+    Raises:
+        KernelBuildError: a value ISA_CFLAGS does not name.
+    """
+    name = os.environ.get(ISA_ENV) or "native"
+    if name not in ISA_CFLAGS:
+        raise KernelBuildError(f"{ISA_ENV}={name!r}: expected one of {', '.join(ISA_CFLAGS)}")
+    return ISA_CFLAGS[name]
 
 
 def _find_compiler() -> str:

@@ -15,6 +15,7 @@ from tests.engine.model_utils import (
     Driver,
     RecordingSampler,
     arch_from_hf,
+    assert_logits_close,
     make_hf_model,
     make_request,
     make_runner,
@@ -54,7 +55,7 @@ def test_chunked_prefill_equals_full_prefill(hf_llama) -> None:
         assert driver.step([driver.schedule(request, chunk)]) == {}
     tokens = driver.generate([request], 4)  # the last 10 tokens, then decode
     assert tokens["chunked"] == ref_tokens
-    torch.testing.assert_close(recorder.logits["chunked"], ref_logits, atol=1e-4, rtol=1e-4)
+    assert_logits_close(recorder.logits["chunked"], ref_logits)
 
 
 def test_prefix_already_in_blocks(hf_llama) -> None:
@@ -71,7 +72,7 @@ def test_prefix_already_in_blocks(hf_llama) -> None:
     tokens = driver.generate([second], 5)
     ref_tokens, ref_logits = _alone(hf_llama, prefix + tail_b, 5)
     assert tokens["second"] == ref_tokens
-    torch.testing.assert_close(recorder.logits["second"], ref_logits, atol=1e-4, rtol=1e-4)
+    assert_logits_close(recorder.logits["second"], ref_logits)
 
 
 def test_mixed_prefill_and_decode_batch_equals_each_alone(hf_llama) -> None:
@@ -89,7 +90,7 @@ def test_mixed_prefill_and_decode_batch_equals_each_alone(hf_llama) -> None:
         driver.step([driver.schedule(r, 1) for r in active])
     for i, (ref_tokens, ref_logits) in enumerate(refs):
         assert requests[i].output_token_ids == ref_tokens
-        torch.testing.assert_close(recorder.logits[f"r{i}"], ref_logits, atol=1e-4, rtol=1e-4)
+        assert_logits_close(recorder.logits[f"r{i}"], ref_logits)
 
 
 @pytest.mark.parametrize("split_tokens", [1, 10**9], ids=["split", "one-group"])
@@ -108,7 +109,7 @@ def test_shuffled_block_tables_and_decode_groups(
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_logits = _alone(hf_llama, prompt, 5)
         assert tokens[f"r{i}"] == ref_tokens
-        torch.testing.assert_close(recorder.logits[f"r{i}"], ref_logits, atol=1e-4, rtol=1e-4)
+        assert_logits_close(recorder.logits[f"r{i}"], ref_logits)
 
 
 def test_bfloat16_roughly_matches_float32(hf_llama) -> None:
@@ -218,4 +219,4 @@ def test_every_prefill_mode_gives_hfs_tokens_chunked_cached_and_batched(
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_logits = _alone(hf_llama, prompt, 5)
         assert tokens[f"r{i}"] == ref_tokens
-        torch.testing.assert_close(recorder.logits[f"r{i}"], ref_logits, atol=1e-4, rtol=1e-4)
+        assert_logits_close(recorder.logits[f"r{i}"], ref_logits)
