@@ -37,7 +37,7 @@ import ray
 import zmq
 
 from shoal.actors.membership import Membership
-from shoal.actors.registry import REGISTRY_NAME
+from shoal.actors.names import REGISTRY_NAME
 from shoal.engine.curve import (
     STATS_IN_DOMAIN,
     STATS_OUT_DOMAIN,
@@ -52,7 +52,6 @@ from shoal.engine.protocol import DPStatsSnapshot, EngineStatsReport
 
 logger = logging.getLogger(__name__)
 
-COORDINATOR_NAME = "shoal-coordinator"
 MIN_PUBLISH_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 1.0
 
@@ -133,10 +132,6 @@ class CoordinatorActor:
                 }
                 for rank, report in self._latest.items()
             }
-
-    def num_published(self) -> int:
-        """How many snapshots have been published so far."""
-        return self._num_published
 
     def admit_engine(self, rank: int, public_key: bytes) -> None:
         """Takes stats reports from the engine holding `public_key` (as `rank`, in place of

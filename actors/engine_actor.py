@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from shoal.actors.membership import Membership
-from shoal.actors.registry import REGISTRY_NAME
+from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
 from shoal.engine.config import EngineConfig
 from shoal.engine.core_proc import EngineCoreProc

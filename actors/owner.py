@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-OWNER_NAME = "shoal-owner"
-
 
 class ClusterOwnerActor:
     """Runs the cluster layer's create calls in the owning process (a plain sync actor), and

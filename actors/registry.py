@@ -37,6 +37,7 @@ from shoal.actors.engine_liveness import (
     watch_engine,
 )
 from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.actors.names import COORDINATOR_NAME
 from shoal.actors.registry_resizes import ResizeMethods, scaling_status
 from shoal.actors.registry_state import RegistryState
 from shoal.actors.rendezvous import RendezvousServer
@@ -45,7 +46,6 @@ from shoal.engine.protocol import EngineEndpoint
 
 logger = logging.getLogger(__name__)
 
-REGISTRY_NAME = "shoal-registry"
 # GCS key-value key (in the cluster's namespace) of the registry's saved state.
 STATE_KEY = "shoal-registry-state"
 
@@ -295,14 +295,6 @@ class RegistryActor(ResizeMethods):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def heartbeat_client(self, client_index: int) -> bool:
-        """Marks a client alive.
-
-        Returns:
-            False if the index is unknown (pruned or detached): the client must attach again.
-        """
-        return self._touch_client(client_index)
-
     async def clients(self) -> list[ClientInfo]:
         """The attached clients by index (gone clients are pruned first)."""
         if self._prune_clients():
@@ -510,8 +502,6 @@ class RegistryActor(ResizeMethods):
         """Makes `call(actor)` on the named engines and the coordinator and waits (bounded)
         until they are done: a key change reaches the data plane before the caller goes on.
         One that fails or is slow is logged; it reads the membership when it restarts."""
-        from shoal.actors.coordinator import COORDINATOR_NAME  # it imports this module
-
         actors = [find_actor(name, self.namespace) for name in [*engine_names, COORDINATOR_NAME]]
         refs = [call(actor) for actor in actors if actor is not None]
         if not refs:

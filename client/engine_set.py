@@ -16,7 +16,9 @@ process this client launched for it (if any), and its liveness. An engine moves 
 
 Whoever changes the set goes through these methods; the client classes hook what a change
 means to them (routing, pending calls) around them, and everything else only asks. It is safe
-to ask from the engine monitor's and the output thread's threads: every method holds a lock.
+to ask from the engine monitor's and the output thread's threads: every method that reads or
+changes the engines holds the set's lock; the two flags (`set_engines_can_return`,
+`reattach_launched_engines`) and `len` / `in` are single reads or writes.
 """
 
 from __future__ import annotations

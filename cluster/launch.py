@@ -31,7 +31,7 @@ from ray.experimental import internal_kv
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shoal.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+from shoal.actors.coordinator import CoordinatorActor
 from shoal.actors.engine_actor import (
     ENGINE_ACTOR_MAX_CONCURRENCY,
     ENGINE_ACTOR_PREFIX,
@@ -39,8 +39,9 @@ from shoal.actors.engine_actor import (
     engine_actor_name,
 )
 from shoal.actors.membership import Membership
-from shoal.actors.owner import OWNER_NAME, ClusterOwnerActor
-from shoal.actors.registry import REGISTRY_NAME, STATE_KEY, RegistryActor
+from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
+from shoal.actors.owner import ClusterOwnerActor
+from shoal.actors.registry import STATE_KEY, RegistryActor
 from shoal.cluster.placement import (
     PlacementStrategy,
     RankResources,

@@ -171,14 +171,6 @@ class EngineConfig:
         sections = {name: c(**per_section[name]) for name, c in _SECTIONS.items()}
         return cls(**sections)
 
-    def to_kwargs(self) -> dict[str, Any]:
-        """The inverse of `from_kwargs`, without the model path."""
-        flat: dict[str, Any] = {}
-        for name in _SECTIONS:
-            flat.update(dataclasses.asdict(getattr(self, name)))
-        flat.pop("model")
-        return flat
-
     def with_rank(
         self, data_parallel_rank: int, data_parallel_size: int | None = None
     ) -> EngineConfig:

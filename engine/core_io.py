@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 import msgspec
@@ -77,11 +78,17 @@ MAX_ATTACHED_CLIENTS = 256
 # Refused HELLOs answered per second at most: each answer opens a connection to the address
 # the HELLO named, and a flood of them must not take the engine's descriptors.
 MAX_REFUSALS_PER_S = 20
-# The input thread wakes at least this often to notice shutdown and expired connections.
-# The model-runner methods a client may run on every worker through `collective_rpc`: they
-# only read. Nothing that loads weights, binds the KV cache or runs the model is reachable.
+# What a client may run on the data plane, the one policy the input thread enforces: the
+# EngineCore methods a UTILITY message may name, each with its number of arguments (only ones
+# that read state or are safe under any load), and through `collective_rpc` only the
+# model-runner methods that read, called without arguments. Nothing that loads weights, binds
+# the KV cache or runs the model is reachable.
+UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
+    {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1, "collective_rpc": 2}
+)
 READ_ONLY_RUNNER_METHODS = frozenset({"bytes_per_block", "determine_num_blocks"})
 
+# The input thread wakes at least this often to notice shutdown and expired connections.
 _INPUT_POLL_MS = 100
 _MAX_MESSAGES_PER_WAKE = 256
 # Plain ints: pyzmq's flag enums cost a few microseconds per message in arithmetic and wrapping.

@@ -16,8 +16,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
@@ -25,7 +23,7 @@ import zmq
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.connection_gate import MAX_CONNECTIONS, ConnectionGate, raise_open_file_limit
-from shoal.engine.core_io import InputThread
+from shoal.engine.core_io import UTILITY_METHODS, InputThread
 from shoal.engine.core_output import OutputThread
 from shoal.engine.curve import (
     ENGINE_INPUT_DOMAIN,
@@ -132,14 +130,6 @@ class EngineCoreProc:
         GroupJoinError: an expert-parallel peer did not join in time.
     """
 
-    # The methods of EngineCore a client may call by name with a UTILITY message, each with its
-    # number of arguments: only ones that read state or are safe under any load. Nothing that
-    # reaches the model, its weights or the KV cache (`collective_rpc`, `load_model`,
-    # `initialize_kv_cache`, `execute_model`) is on the data plane.
-    UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
-        {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1, "collective_rpc": 2}
-    )
-
     def __init__(
         self,
         config: EngineConfig,
@@ -191,7 +181,6 @@ class EngineCoreProc:
         self._zap.start()
         self._input_address = self._bind(router, host, transport)
         facts = self.engine_core.facts(self._identity)
-        methods = self.UTILITY_METHODS
         # Clients to detach: the output thread's (they did not take their outputs in time)
         # and revoked ones.
         self._lagging: queue.SimpleQueue[tuple[int, int | None]] = queue.SimpleQueue()
@@ -199,7 +188,7 @@ class EngineCoreProc:
             self._ctx,
             router,
             facts,
-            methods,
+            UTILITY_METHODS,
             self._input_queue,
             lagging_clients=self._lagging,
             keys=keys.engine if keys is not None else None,

@@ -121,9 +121,6 @@ class PendingScale:
     def request_switch(self) -> None:
         self._is_switch_requested.set()
 
-    def wait_staged(self, timeout_s: float) -> bool:
-        return self._is_staged.wait(timeout_s)
-
     @property
     def is_ready(self) -> bool:
         """Staged without error and asked to switch: the rank may agree on the switch."""

@@ -215,8 +215,6 @@ class EngineCore:
     def _validate(self, request: EngineCoreRequest) -> str | None:
         if not request.request_id:
             return "request_id must not be empty"
-        if self.scheduler.get_request(request.request_id) is not None:
-            return f"request_id {request.request_id!r} is already in use"
         prompt = request.prompt_token_ids
         if not prompt:
             return "the prompt is empty"

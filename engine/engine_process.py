@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core_proc import EngineCoreProc
 from shoal.engine.parent_watch import exit_with_parent
 from shoal.engine.protocol import EngineEndpoint
 
@@ -47,6 +46,10 @@ def run_engine_core(
     signal.signal(signal.SIGINT, _exit_on_signal)
     if parent_pid is not None:
         exit_with_parent(parent_pid, use_pdeathsig)
+    # Here, in the child: the launching client imports this module without the engine (torch,
+    # the models), which only the engine process needs.
+    from shoal.engine.core_proc import EngineCoreProc
+
     try:
         proc = EngineCoreProc(config, engine_index=engine_index, **kwargs)
     except BaseException:

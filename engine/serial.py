@@ -2,22 +2,27 @@
 
 A message is a list of frames `[main, *buffers]`. Tensors and numpy arrays become msgpack Ext
 values holding (dtype, shape, data), where data is either the raw bytes (small arrays) or the
-index of a later frame carrying them zero-copy. msgspec Structs inside `Any` fields (utility
+index of a later frame carrying them zero-copy. torch is imported only when a tensor is sent
+or received, so a client that never sees one never loads it. msgspec Structs inside `Any` fields (utility
 results) travel tagged with their name so the peer decodes them typed; only registered struct
 types can be named. This module knows nothing of sockets or of who sends what.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
 import zmq
 
 from shoal.engine import protocol
+
+if TYPE_CHECKING:
+    import torch
 
 # Arrays of at most this many bytes are inlined in the main frame: a separate ZMQ frame
 # costs more than copying a few hundred bytes.
@@ -27,23 +32,19 @@ _EXT_TENSOR = 1
 _EXT_NDARRAY = 2
 _EXT_STRUCT = 3
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """The tensor dtypes the wire carries, by name."""
+    import torch
+
+    dtypes = (
+        *(torch.float64, torch.float32, torch.float16, torch.bfloat16),
+        *(torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool),
+        *(torch.complex64, torch.complex128),
     )
-}
+    return {str(d).removeprefix("torch."): d for d in dtypes}
+
 
 # Struct types a peer may name in a tagged value. Only these are ever instantiated from the
 # wire; every struct of the protocol module is registered.
@@ -119,7 +120,8 @@ class MsgpackEncoder:
         return frames
 
     def _enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")  # not loaded: obj cannot be a tensor
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self._encode_tensor(obj)
         if isinstance(obj, np.ndarray):
             return self._encode_ndarray(obj)
@@ -132,8 +134,10 @@ class MsgpackEncoder:
         raise TypeError(f"cannot send a {type(obj).__name__} over the wire (never pickled)")
 
     def _encode_tensor(self, tensor: torch.Tensor) -> msgspec.msgpack.Ext:
+        import torch
+
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_DTYPES or tensor.layout is not torch.strided:
+        if dtype not in _torch_dtypes() or tensor.layout is not torch.strided:
             raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}, layout {tensor.layout}")
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         data = self._place(flat.view(torch.uint8).numpy() if flat.numel() else None)
@@ -196,7 +200,9 @@ class MsgpackDecoder:
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_TENSOR:
             dtype_name, shape, raw = self._header_decoder.decode(data)
-            dtype = _TORCH_DTYPES.get(dtype_name)
+            import torch
+
+            dtype = _torch_dtypes().get(dtype_name)
             if dtype is None:
                 raise msgspec.ValidationError(f"unknown tensor dtype {dtype_name!r}")
             buffer = self._array_bytes(raw)

@@ -21,21 +21,12 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_PUBLIC = {
-    "AsyncLLM": "shoal.client.async_llm",
-    "LLM": "shoal.client.llm",
-    "CompletionOutput": "shoal.client.outputs",
-    "RequestOutput": "shoal.client.outputs",
-    "SamplingParams": "shoal.engine.protocol",
-}
-
 __all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module 'shoal' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module("shoal.client"), name)  # loads on first use too
     globals()[name] = value  # later lookups skip this hook
     return value

@@ -123,7 +123,6 @@ def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: An
     ray.get(registry.detach_client.remote(1))
     assert [c.name for c in ray.get(registry.clients.remote())] == ["c0", "c2"]
     assert ray.get(registry.attach_client.remote("c3")) == 3  # 1 is free but not reused
-    assert not ray.get(registry.heartbeat_client.remote(9))
 
     # Only client 2 keeps polling; the others fall silent past the 1 s timeout.
     deadline = time.monotonic() + 1.6
@@ -131,7 +130,6 @@ def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: An
         ray.get(registry.wait_for_change.remote(-1, 0.0, client_index=2))
         time.sleep(0.2)
     assert [(c.client_index, c.name) for c in ray.get(registry.clients.remote())] == [(2, "c2")]
-    assert not ray.get(registry.heartbeat_client.remote(0))
     assert ray.get(registry.attach_client.remote("c4")) == 4
     status = ray.get(registry.status.remote())
     assert [c["client_index"] for c in status["clients"]] == [2, 4]

@@ -34,6 +34,7 @@ from tests.engine.core_proc_utils import (
     request,
     running_engine,
     tiny_config,
+    wait_until,
 )
 from tests.factories import make_tiny_checkpoint
 
@@ -168,14 +169,14 @@ def test_a_pending_scale_is_ready_once_staged_and_asked_and_reports_its_outcome(
     pending.request_switch()
     assert not pending.is_ready, "still staging"
     release.set()
-    assert pending.wait_staged(10)
-    assert pending.is_ready and pending.staged == "staged"
+    assert wait_until(lambda: pending.is_ready, 10)
+    assert pending.staged == "staged"
     assert pending.wait(0.01) is None
     pending.finish(SwitchOutcome.COMMITTED)
     assert pending.wait(1) == (SwitchOutcome.COMMITTED, "")
     assert pending.staged is None, "the staged experts are not kept after the switch"
     failing = PendingScale(plan, lambda: 1 / 0)
-    assert failing.wait_staged(10) and failing.has_failed_staging and not failing.is_ready
+    assert wait_until(lambda: failing.has_failed_staging, 10) and not failing.is_ready
 
 
 def test_a_dense_rank_that_leaves_releases_its_requests_and_every_later_one(
