@@ -30,11 +30,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
 import ray
 import zmq
+from ray.actor import ActorProxy
 
 from shoal.actors.membership import Membership
 from shoal.actors.names import REGISTRY_NAME
@@ -49,6 +50,9 @@ from shoal.engine.curve import (
     engine_key_name,
 )
 from shoal.engine.protocol import DPStatsSnapshot, EngineStatsReport
+
+if TYPE_CHECKING:
+    from shoal.actors.registry import RegistryHandle
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +76,12 @@ class CoordinatorActor:
         self, host: str = "", namespace: str | None = None, keys: CurveKeyPair | None = None
     ) -> None:
         host = host or ray.util.get_node_ip_address()
-        registry = None
+        registry: RegistryHandle | None = None
         previous: tuple[str | None, str | None] = (None, None)
         if namespace is not None and ray.get_runtime_context().was_current_actor_reconstructed:
-            registry = ray.get_actor(REGISTRY_NAME, namespace=namespace)
-            membership = cast(Membership, ray.get(registry.membership.remote()))
+            found: RegistryHandle = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+            membership = ray.get(found.membership.remote())
+            registry = found
             previous = (membership.stats_report_address, membership.stats_publish_address)
         self._context = zmq.Context()
         self._engine_keys = KeyRing()
@@ -100,9 +105,10 @@ class CoordinatorActor:
         self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscribe, not only the first
         self.publish_address = bind_previous_or_new(self._xpub, host, previous[1])
         if registry is not None:
-            logger.warning("coordinator restarted at %s", self.addresses())
-            if self.addresses() != previous:
-                ray.get(registry.set_coordinator.remote(*self.addresses()))
+            addresses = (self.report_address, self.publish_address)
+            logger.warning("coordinator restarted at %s", addresses)
+            if addresses != previous:
+                ray.get(registry.set_coordinator.remote(*addresses, None))
         self._latest: dict[int, EngineStatsReport] = {}
         self._lock = threading.Lock()
         self._num_published = 0
@@ -110,10 +116,12 @@ class CoordinatorActor:
         self._thread = threading.Thread(target=self._run, name="shoal-coordinator", daemon=True)
         self._thread.start()
 
+    @ray.method
     def addresses(self) -> tuple[str, str]:
         """(address engines push reports to, address clients subscribe to)."""
         return self.report_address, self.publish_address
 
+    @ray.method
     def latest_stats(self) -> dict[int, dict[str, Any]]:
         """The latest stats of every rank, as plain dicts (for `shoal status`).
 
@@ -133,30 +141,35 @@ class CoordinatorActor:
                 for rank, report in self._latest.items()
             }
 
+    @ray.method
     def admit_engine(self, rank: int, public_key: bytes) -> None:
         """Takes stats reports from the engine holding `public_key` (as `rank`, in place of
         the key the rank had)."""
         self._engine_keys.admit(engine_key_name(rank), public_key)
 
+    @ray.method
     def admit_client(self, client_index: int, public_key: bytes) -> None:
         """Lets the client holding `public_key` subscribe to the snapshots."""
         self._client_keys.admit(client_key_name(client_index), public_key)
 
+    @ray.method
     def revoke_client(self, client_index: int) -> None:
         self._client_keys.revoke(client_key_name(client_index))
 
     def _admit_members(self, membership: Membership) -> None:
         for info in membership.ranks.values():
             if info.endpoint is not None and info.endpoint.public_key:
-                self.admit_engine(info.rank, info.endpoint.public_key)
+                self._engine_keys.admit(engine_key_name(info.rank), info.endpoint.public_key)
         for client_index, public_key in membership.client_keys.items():
-            self.admit_client(client_index, public_key)
+            self._client_keys.admit(client_key_name(client_index), public_key)
 
+    @ray.method
     def forget_rank(self, rank: int) -> None:
         """Drops a removed rank's stats so snapshots stop carrying them."""
         with self._lock:
             self._latest.pop(rank, None)
 
+    @ray.method
     def shutdown(self) -> None:
         """Stops the loop and closes the sockets; the actor can then be killed."""
         self._stop.set()
@@ -237,6 +250,11 @@ class CoordinatorActor:
             # XPUB delivers b"\x01<topic>" on subscribe and b"\x00<topic>" on unsubscribe.
             has_joined |= frames[0][:1] == b"\x01"
         return has_joined
+
+
+# What callers hold: Ray's typed proxy, so mypy checks every `.remote` call's method,
+# arguments and result against CoordinatorActor.
+CoordinatorHandle: TypeAlias = ActorProxy[CoordinatorActor]
 
 
 def bind_previous_or_new(socket: zmq.Socket, host: str, previous: str | None) -> str:

@@ -13,9 +13,10 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import ray
+from ray.actor import ActorProxy
 
 from shoal.actors.membership import Membership
 from shoal.actors.names import REGISTRY_NAME
@@ -30,6 +31,9 @@ from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
 from shoal.engine.loader import load_model_arch
 from shoal.engine.protocol import EngineEndpoint
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from shoal.actors.registry import RegistryHandle
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +81,7 @@ class EngineCoreActor:
             self._tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         except ModelLoadError as e:  # the engine runs on token ids without one
             self._tokenizer = e
-        registry: Any = ray.get_actor(REGISTRY_NAME, namespace=namespace)
+        registry: RegistryHandle = ray.get_actor(REGISTRY_NAME, namespace=namespace)
         membership: Membership = ray.get(registry.membership.remote())
         # The set this rank serves in now (a cluster resized since launch, or a resize that
         # started this rank), as the registry keeps it: a restarted rank reads it again.
@@ -122,7 +126,7 @@ class EngineCoreActor:
             ).client_keys.items():
                 self.proc.admit_client(client_index, public_key)
         except BaseException:
-            self.shutdown()
+            self._shutdown()
             raise
         logger.info(
             "rank %d serving at %s (incarnation %d)",
@@ -142,10 +146,12 @@ class EngineCoreActor:
             # what lets Ray notice, restart this actor, and the registry mark the rank DEAD.
             os._exit(1)
 
+    @ray.method
     def ready(self) -> EngineEndpoint:
         """Returns the endpoint once the engine is serving (the constructor has finished)."""
         return self.endpoint
 
+    @ray.method
     def health(self) -> dict[str, Any]:
         """This incarnation's facts: rank, incarnation, identity, pid, whether the loop runs."""
         return {
@@ -156,6 +162,7 @@ class EngineCoreActor:
             "pid": os.getpid(),
         }
 
+    @ray.method
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer, as read from this node's checkpoint at start: for drivers on
         nodes that have none (`AsyncLLM.connect`).
@@ -167,45 +174,55 @@ class EngineCoreActor:
             raise self._tokenizer
         return self._tokenizer
 
+    @ray.method
     def admit_client(self, client_index: int, public_key: bytes) -> None:
         """Lets the client holding `public_key` attach as `client_index` (the registry calls
         this for every client that attaches)."""
         self.proc.admit_client(client_index, public_key)
 
+    @ray.method
     def revoke_client(self, client_index: int) -> None:
         """Takes a detached client's key out; a connection it still has is let go."""
         self.proc.revoke_client(client_index)
 
+    @ray.method
     def set_stats_address(self, address: str) -> None:
         """Pushes stats reports to `address` from now on (the coordinator moved)."""
         self.proc.set_stats_address(address)
 
     # --- resizes (`shoal.cluster.elastic` drives them; `shoal.engine.elastic` has the states) --
 
+    @ray.method
     def prepare_scale(self, plan: ScalePlan) -> None:
         """Starts staging this rank's part of `plan` while it keeps serving."""
         self.proc.elastic.prepare(plan)
 
+    @ray.method
     def request_switch(self, epoch: int) -> None:
         """Lets the rank switch to resize `epoch` once staged, at a forward all ranks agree."""
         self.proc.elastic.request_switch(epoch)
 
+    @ray.method
     def leave(self, epoch: int) -> None:
         """A dense rank leaves the set: its requests are released to their clients."""
         self.proc.elastic.leave(epoch)
 
+    @ray.method
     def cancel_scale(self, epoch: int) -> None:
         """Resize `epoch` is rolled back on this rank."""
         self.proc.elastic.cancel(epoch)
 
+    @ray.method
     def wait_switched(self, epoch: int, timeout_s: float) -> tuple[str, str] | None:
         """This rank's outcome of resize `epoch` (see `SwitchOutcome`), or None at the timeout."""
         return self.proc.elastic.wait(epoch, timeout_s)
 
+    @ray.method
     def notify_clients(self, kind: str, notice: ScaleNotice) -> None:
         """Sends an elastic notification to every client attached here."""
         self.proc.notify_clients(kind, notice)
 
+    @ray.method
     def wait_for_exit(self) -> None:
         """Blocks until the busy loop ends on purpose (`shutdown`).
 
@@ -214,10 +231,19 @@ class EngineCoreActor:
         """
         self._busy_loop.join()
 
+    @ray.method
     def shutdown(self) -> None:
         """Stops the busy loop and closes the sockets; the actor can then be killed."""
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         self.proc.shutdown()
         self._busy_loop.join(timeout=10)
+
+
+# What callers hold: Ray's typed proxy, so mypy checks every `.remote` call's method,
+# arguments and result against EngineCoreActor.
+EngineActorHandle: TypeAlias = ActorProxy[EngineCoreActor]
 
 
 def _ep_rendezvous(

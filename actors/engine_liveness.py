@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
+
+if TYPE_CHECKING:
+    from shoal.actors.engine_actor import EngineActorHandle
 
 # Method every engine actor offers for liveness: it blocks until the engine stops on purpose,
 # and fails (RayActorError) if the actor dies. Engines also offer `ready() -> EngineEndpoint`
@@ -44,7 +47,15 @@ def find_actor(actor_name: str, namespace: str) -> Any | None:
         return None
 
 
-async def watch_engine(actor: Any, identity: bytes, is_current: Callable[[], bool]) -> bool:
+def find_engine(actor_name: str, namespace: str) -> EngineActorHandle | None:
+    """An engine actor by name, typed (None if there is none)."""
+    engine: EngineActorHandle | None = find_actor(actor_name, namespace)
+    return engine
+
+
+async def watch_engine(
+    actor: EngineActorHandle, identity: bytes, is_current: Callable[[], bool]
+) -> bool:
     """Waits until the incarnation registered as `identity` dies.
 
     The engine registers from inside its constructor, so Ray may still call the actor
@@ -80,7 +91,7 @@ async def watch_engine(actor: Any, identity: bytes, is_current: Callable[[], boo
 
 
 async def probe_engine(
-    actor: Any | None, identity: bytes, timeout_s: float = ENGINE_PROBE_TIMEOUT_S
+    actor: EngineActorHandle | None, identity: bytes, timeout_s: float = ENGINE_PROBE_TIMEOUT_S
 ) -> Liveness:
     """Asks an engine actor for its health, waiting at most `timeout_s`."""
     if actor is None:
@@ -96,6 +107,6 @@ async def probe_engine(
     return Liveness.ALIVE if health["identity"].encode() == identity else Liveness.REPLACED
 
 
-def restart_engine(actor: Any) -> None:
+def restart_engine(actor: EngineActorHandle) -> None:
     """Kills a hung engine actor so that Ray starts it again (it then registers anew)."""
-    ray.kill(actor, no_restart=False)
+    ray.kill(cast("ray.actor.ActorHandle[Any]", actor), no_restart=False)

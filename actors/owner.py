@@ -11,7 +11,10 @@ so ends only with its job, or with `shoal stop`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
+
+import ray
+from ray.actor import ActorProxy
 
 
 class ClusterOwnerActor:
@@ -22,7 +25,8 @@ class ClusterOwnerActor:
     def __init__(self) -> None:
         self._held: dict[str, Any] = {}
 
-    def run(self, create: Callable[..., Any], *args: Any, keep_as: str | None = None) -> Any:
+    @ray.method
+    def run(self, create: Callable[..., Any], args: tuple[Any, ...], keep_as: str | None) -> Any:
         """Calls `create(*args)` here and returns its result (the handles of what it created,
         owned by this process); with `keep_as`, also holds it under that name."""
         result = create(*args)
@@ -30,6 +34,12 @@ class ClusterOwnerActor:
             self._held[keep_as] = result
         return result
 
+    @ray.method
     def release(self, name: str) -> None:
         """Drops a held handle (its actor was removed)."""
         self._held.pop(name, None)
+
+
+# What callers hold: Ray's typed proxy, so mypy checks every `.remote` call's method,
+# arguments and result against ClusterOwnerActor.
+OwnerHandle: TypeAlias = ActorProxy[ClusterOwnerActor]

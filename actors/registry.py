@@ -22,16 +22,18 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 import ray
+from ray.actor import ActorProxy
 from ray.experimental import internal_kv
 
 from shoal.actors.engine_liveness import (
     ENGINE_PROBE_TIMEOUT_S,
     Liveness,
     find_actor,
+    find_engine,
     probe_engine,
     restart_engine,
     watch_engine,
@@ -93,6 +95,7 @@ class RegistryActor(ResizeMethods):
 
     # --- membership ------------------------------------------------------------------------
 
+    @ray.method
     async def plan_rank(self, rank: int, actor_name: str, placement_group_name: str) -> int:
         """Records a rank the cluster is creating (state STARTING).
 
@@ -102,6 +105,7 @@ class RegistryActor(ResizeMethods):
         self._set_rank(RankInfo(rank, RankState.STARTING, actor_name, placement_group_name))
         return self._bump()
 
+    @ray.method
     async def register_engine(self, endpoint: EngineEndpoint, node_ip: str) -> int:
         """Called by an engine actor once its sockets are bound (again after every restart).
 
@@ -136,6 +140,7 @@ class RegistryActor(ResizeMethods):
             )
         return incarnation
 
+    @ray.method
     async def report_engine_lost(self, rank: int, identity: bytes) -> bool:
         """A client lost its connection to the incarnation `identity` of `rank`.
 
@@ -163,6 +168,7 @@ class RegistryActor(ResizeMethods):
             probe.add_done_callback(lambda _: self._probes.pop(identity, None))
         return await asyncio.shield(probe)
 
+    @ray.method
     async def set_rank_leaving(self, rank: int) -> int:
         """Marks a rank as leaving (clients stop routing to it). Returns the new epoch.
 
@@ -172,6 +178,7 @@ class RegistryActor(ResizeMethods):
         self._set_rank(replace(self._state.ranks[rank], state=RankState.LEAVING))
         return self._bump()
 
+    @ray.method
     async def remove_rank(self, rank: int) -> int:
         """Forgets a rank (after its actor and placement group are gone). Returns the new epoch."""
         self._state.ranks.pop(rank, None)
@@ -180,8 +187,9 @@ class RegistryActor(ResizeMethods):
             watcher.cancel()
         return self._bump()
 
+    @ray.method
     async def set_coordinator(
-        self, report_address: str, publish_address: str, public_key: bytes | None = None
+        self, report_address: str, publish_address: str, public_key: bytes | None
     ) -> int:
         """Records the coordinator's addresses. Returns the new epoch.
 
@@ -201,8 +209,12 @@ class RegistryActor(ResizeMethods):
             task.add_done_callback(self._background.discard)
         return self._bump()
 
+    @ray.method
     async def membership(self) -> Membership:
         """The current membership (a copy)."""
+        return self._membership()
+
+    def _membership(self) -> Membership:
         s = self._state
         return Membership(
             epoch=s.epoch,
@@ -215,12 +227,13 @@ class RegistryActor(ResizeMethods):
             client_keys=dict(s.client_keys),
         )
 
+    @ray.method
     async def wait_for_change(
         self,
         known_epoch: int,
-        timeout_s: float = 10.0,
-        client_index: int | None = None,
-        client_name: str | None = None,
+        timeout_s: float,
+        client_index: int | None,
+        client_name: str | None,
     ) -> Membership:
         """Long-poll: returns as soon as the epoch differs from `known_epoch`, or at the timeout.
 
@@ -246,11 +259,12 @@ class RegistryActor(ResizeMethods):
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 break
-        return await self.membership()
+        return self._membership()
 
     # --- clients -----------------------------------------------------------------------------
 
-    async def attach_client(self, name: str, public_key: bytes | None = None) -> int:
+    @ray.method
+    async def attach_client(self, name: str, public_key: bytes | None) -> int:
         """Attaches a client under a new client index, one never used before in this cluster.
 
         Indices are not reused: an engine's stats report counts each client's requests by
@@ -280,6 +294,7 @@ class RegistryActor(ResizeMethods):
             )
         return index
 
+    @ray.method
     async def detach_client(self, client_index: int) -> None:
         """Frees a client index (unknown indices are ignored); its key is revoked everywhere."""
         had_key = self._state.client_keys.pop(client_index, None) is not None
@@ -295,19 +310,25 @@ class RegistryActor(ResizeMethods):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    @ray.method
     async def clients(self) -> list[ClientInfo]:
         """The attached clients by index (gone clients are pruned first)."""
+        return self._clients()
+
+    def _clients(self) -> list[ClientInfo]:
         if self._prune_clients():
             self._save()
         return sorted(self._state.clients.values(), key=lambda c: c.client_index)
 
     # --- lifecycle and scaling ------------------------------------------------------------------
 
+    @ray.method
     async def set_served_by(self, server: str | None) -> None:
         """Records the process that serves the cluster and tears it down on `request_stop`."""
         self._state.served_by = server
         self._save()
 
+    @ray.method
     async def request_stop(self) -> int:
         """Asks whoever serves the cluster (e.g. `shoal serve`) to tear it down.
 
@@ -317,6 +338,7 @@ class RegistryActor(ResizeMethods):
         self._state.stopping = True
         return self._bump()
 
+    @ray.method
     async def status(self) -> dict[str, Any]:
         """A plain, JSON-ready summary for `shoal status`."""
         s = self._state
@@ -350,10 +372,11 @@ class RegistryActor(ResizeMethods):
                     "attached_at": c.attached_at,
                     "last_seen": c.last_seen,
                 }
-                for c in await self.clients()
+                for c in self._clients()
             ],
         }
 
+    @ray.method
     async def ep_rendezvous(self, host: str, rank: int, placement: list[int]) -> tuple[str, int]:
         """Where expert-parallel ranks form their groups: a TCPStore this actor serves.
 
@@ -378,6 +401,7 @@ class RegistryActor(ResizeMethods):
             self._save()
         return self._rendezvous.address()
 
+    @ray.method
     async def ping(self) -> bool:
         return True
 
@@ -458,7 +482,7 @@ class RegistryActor(ResizeMethods):
 
     async def _watch_engine(self, rank: int, actor_name: str, identity: bytes) -> None:
         """Marks the rank DEAD when the incarnation registered as `identity` dies."""
-        actor = find_actor(actor_name, self.namespace)
+        actor = find_engine(actor_name, self.namespace)
         if actor is None:
             logger.warning("rank %d: no actor %r to watch; liveness unknown", rank, actor_name)
             return
@@ -467,12 +491,12 @@ class RegistryActor(ResizeMethods):
             self._mark_dead(rank, identity)
 
     async def _probe_reported_engine(self, rank: int, identity: bytes) -> bool:
-        actor = find_actor(self._state.ranks[rank].actor_name, self.namespace)
+        actor = find_engine(self._state.ranks[rank].actor_name, self.namespace)
         liveness = await probe_engine(actor, identity, self.engine_probe_timeout_s)
         if liveness == Liveness.ALIVE:
             logger.info("rank %d was reported lost by a client but answers; kept", rank)
             return True
-        if liveness == Liveness.HUNG:
+        if liveness == Liveness.HUNG and actor is not None:  # HUNG: it was there to probe
             logger.warning(
                 "rank %d was reported lost and did not answer a health probe in %.0f s; "
                 "restarting it",
@@ -486,7 +510,7 @@ class RegistryActor(ResizeMethods):
     async def _redirect_stats(self, report_address: str) -> None:
         calls = []
         for info in self._state.ranks.values():
-            actor = find_actor(info.actor_name, self.namespace)
+            actor = find_engine(info.actor_name, self.namespace)
             if actor is not None:
                 calls.append(actor.set_stats_address.remote(report_address))
         for result in await asyncio.gather(*calls, return_exceptions=True):
@@ -530,6 +554,11 @@ class RegistryActor(ResizeMethods):
     def _is_current(self, rank: int, identity: bytes) -> bool:
         info = self._state.ranks.get(rank)
         return info is not None and info.endpoint is not None and info.endpoint.identity == identity
+
+
+# What callers hold: Ray's typed proxy, so mypy checks every `.remote` call's method,
+# arguments and result against RegistryActor.
+RegistryHandle: TypeAlias = ActorProxy[RegistryActor]
 
 
 def _expert_parallel_status(placement: list[int] | None) -> dict[str, Any] | None:

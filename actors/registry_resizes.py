@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import ray
+
 from shoal.actors.membership import RankInfo, RankState
 from shoal.actors.registry_state import RegistryState
 from shoal.actors.rendezvous import RendezvousServer
@@ -42,14 +44,17 @@ class ResizeMethods:
     def _set_rank(self, info: RankInfo) -> None:
         raise NotImplementedError  # RegistryActor's
 
+    @ray.method
     async def set_launch_options(self, options: dict[str, Any]) -> None:
         """Records how the launch started its ranks (`shoal.cluster.launch.LaunchOptions`)."""
         self._state.launch_options = dict(options)
         self._save()
 
+    @ray.method
     async def launch_options(self) -> dict[str, Any]:
         return dict(self._state.launch_options)
 
+    @ray.method
     async def begin_scale(self, owner: str, to_size: int) -> tuple[int, int]:
         """Takes the scale lock for a resize to `to_size` ranks.
 
@@ -74,12 +79,13 @@ class ResizeMethods:
         self._bump()
         return s.scale_epoch, from_size
 
+    @ray.method
     async def set_scale_phase(
         self,
         epoch: int,
         phase: str,
-        plan: ScalePlan | None = None,
-        new_ranks: list[int] | None = None,
+        plan: ScalePlan | None,
+        new_ranks: list[int] | None,
     ) -> None:
         """Records the phase of the scale holding the lock (which renews its lease)."""
         record = self._scale_record(epoch)
@@ -90,6 +96,7 @@ class ResizeMethods:
             record.new_ranks = list(new_ranks)
         self._bump()
 
+    @ray.method
     async def renew_scale(self, epoch: int) -> bool:
         """Renews the lease of the scale holding the lock; False if it no longer holds it."""
         record = self._state.scale
@@ -98,6 +105,7 @@ class ResizeMethods:
         record.renewed_at = time.time()
         return True
 
+    @ray.method
     async def commit_scale(self, epoch: int) -> int:
         """The resize is done: the cluster's size and groups are the new set's, its new ranks
         serve. Returns the new epoch."""
@@ -118,7 +126,8 @@ class ResizeMethods:
         record.phase = "finishing"
         return self._bump()
 
-    async def end_scale(self, epoch: int, outcome: str, detail: str = "") -> int:
+    @ray.method
+    async def end_scale(self, epoch: int, outcome: str, detail: str) -> int:
         """Releases the scale lock and records how the scale ended. Returns the new epoch."""
         s = self._state
         record = s.scale
@@ -138,12 +147,14 @@ class ResizeMethods:
         s.scale = None
         return self._bump()
 
+    @ray.method
     async def abort_scale_groups(self, epoch: int) -> None:
         """Ends every join still waiting for resize `epoch`'s new set (it is rolled back)."""
         record = self._scale_record(epoch)
         if record.plan is not None and self._rendezvous is not None:
             self._rendezvous.set(f"{record.plan.group_name}/{ABORT_KEY}", "1")
 
+    @ray.method
     async def set_rank_ready(self, rank: int) -> int:
         """A LEAVING rank serves again (its resize was rolled back). Returns the new epoch."""
         info = self._state.ranks[rank]
@@ -151,6 +162,7 @@ class ResizeMethods:
             self._set_rank(replace(info, state=RankState.READY))
         return self._bump()
 
+    @ray.method
     async def engine_start(self, rank: int) -> EngineStart:
         """The configuration and groups a starting rank serves with (see `EngineStart`).
 
@@ -169,6 +181,7 @@ class ResizeMethods:
             return EngineStart(config, s.ep_group_name or self.namespace)
         return EngineStart(config, plan.group_name, plan)
 
+    @ray.method
     async def scale_history(self) -> list[ScaleEvent]:
         return list(self._state.scale_history)
 

@@ -120,7 +120,7 @@ def scale(
     epoch, from_size = ray.get(handle.registry.begin_scale.remote(owner, new_size))
     report = ScaleReport(epoch, from_size, new_size, "unchanged")
     if new_size == from_size:
-        ray.get(handle.registry.end_scale.remote(epoch, "unchanged"))
+        ray.get(handle.registry.end_scale.remote(epoch, "unchanged", ""))
         return report
     resize = _Resize(handle, config, epoch, from_size, new_size, switch_timeout_s, report)
     logger.info("resize %d: %d → %d ranks (by %s)", epoch, from_size, new_size, owner or "?")
@@ -250,11 +250,13 @@ class _Resize:
             switch_timeout_s=switch_timeout_s,
         )
 
-    def _enter(self, phase: str, **kwargs: Any) -> None:
+    def _enter(
+        self, phase: str, plan: ScalePlan | None = None, new_ranks: list[int] | None = None
+    ) -> None:
         now = time.monotonic()
         self.report.phases[self._phase] = now - self._phase_start
         self._phase, self._phase_start = phase, now
-        ray.get(self.registry.set_scale_phase.remote(self.epoch, phase, **kwargs))
+        ray.get(self.registry.set_scale_phase.remote(self.epoch, phase, plan, new_ranks))
 
     def _close_phase(self) -> None:
         self.report.phases[self._phase] = time.monotonic() - self._phase_start
@@ -371,7 +373,7 @@ class _Resize:
     def roll_back(self, error: BaseException) -> None:
         """Back to the old set, whatever step failed (each undo is best effort)."""
         try:
-            ray.get(self.registry.set_scale_phase.remote(self.epoch, "rolling_back"))
+            ray.get(self.registry.set_scale_phase.remote(self.epoch, "rolling_back", None, None))
         except Exception as e:
             logger.warning("resize %d: %s", self.epoch, e)
         _quietly(self.registry.abort_scale_groups, self.epoch)

@@ -31,17 +31,18 @@ from ray.experimental import internal_kv
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shoal.actors.coordinator import CoordinatorActor
+from shoal.actors.coordinator import CoordinatorActor, CoordinatorHandle
 from shoal.actors.engine_actor import (
     ENGINE_ACTOR_MAX_CONCURRENCY,
     ENGINE_ACTOR_PREFIX,
+    EngineActorHandle,
     EngineCoreActor,
     engine_actor_name,
 )
 from shoal.actors.membership import Membership
 from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
-from shoal.actors.owner import ClusterOwnerActor
-from shoal.actors.registry import STATE_KEY, RegistryActor
+from shoal.actors.owner import ClusterOwnerActor, OwnerHandle
+from shoal.actors.registry import STATE_KEY, RegistryActor, RegistryHandle
 from shoal.cluster.placement import (
     PlacementStrategy,
     RankResources,
@@ -60,9 +61,6 @@ logger = logging.getLogger(__name__)
 
 # How long a caller waits for a registry that stopped answering to come back (Ray restarts it).
 REGISTRY_RESTART_WAIT_S = 30.0
-
-# Ray's ActorHandle typing cannot express remote methods, so handles are typed Any.
-ActorHandle = Any
 
 DEFAULT_NAMESPACE = "shoal"
 ENGINE_MAX_RESTARTS = 4
@@ -107,12 +105,12 @@ class ClusterHandle:
     """A launched or attached cluster: its namespace and the actors in it."""
 
     namespace: str
-    registry: ActorHandle
-    coordinator: ActorHandle
-    engines: dict[int, ActorHandle] = field(default_factory=dict)
+    registry: RegistryHandle
+    coordinator: CoordinatorHandle
+    engines: dict[int, EngineActorHandle] = field(default_factory=dict)
     # Creates the ranks' placement groups and actors (None: a cluster from before it existed;
     # then this process creates them).
-    owner: ActorHandle | None = None
+    owner: OwnerHandle | None = None
 
     def membership(self) -> Membership:
         return ray.get(self.registry.membership.remote())
@@ -145,7 +143,9 @@ class ClusterHandle:
         epoch = -1
         while should_stop is None or not should_stop():
             try:
-                membership = ray.get(self.registry.wait_for_change.remote(epoch, poll_s))
+                membership = ray.get(
+                    self.registry.wait_for_change.remote(epoch, poll_s, None, None)
+                )
             except ray.exceptions.RayActorError:
                 if registry_answers_again(self.registry, give_up=should_stop):
                     continue  # Ray restarted it; it read its saved state back
@@ -155,7 +155,7 @@ class ClusterHandle:
                 return
             epoch = membership.epoch
 
-    def engine(self, rank: int) -> ActorHandle:
+    def engine(self, rank: int) -> EngineActorHandle:
         """The engine actor of `rank`, looked up by name when this handle has not seen it."""
         if rank not in self.engines:
             self.engines[rank] = ray.get_actor(engine_actor_name(rank), namespace=self.namespace)
@@ -186,7 +186,7 @@ class ClusterHandle:
 
 
 def registry_answers_again(
-    registry: ActorHandle,
+    registry: RegistryHandle,
     wait_s: float = REGISTRY_RESTART_WAIT_S,
     give_up: Callable[[], bool] | None = None,
 ) -> bool:
@@ -248,7 +248,7 @@ def launch(
     # Both are restarted by Ray when they die: the registry reads its saved state back and the
     # coordinator binds its old addresses again (see their modules).
     control = {"namespace": namespace, "lifetime": lifetime, "num_cpus": 0, "max_restarts": -1}
-    registry: ActorHandle = (
+    registry: RegistryHandle = (
         ray.remote(RegistryActor)
         .options(name=REGISTRY_NAME, **control)
         .remote(namespace, config, detached)
@@ -256,12 +256,12 @@ def launch(
     # The coordinator's key pair is made here and lives in its constructor's arguments, so a
     # coordinator that Ray restarts is the same CURVE server to every engine and client.
     coordinator_keys = CurveKeyPair.generate()
-    coordinator: ActorHandle = (
+    coordinator: CoordinatorHandle = (
         ray.remote(CoordinatorActor)
         .options(name=COORDINATOR_NAME, **control)
         .remote(host or "", namespace, coordinator_keys)
     )
-    owner: ActorHandle = (
+    owner: OwnerHandle = (
         ray.remote(ClusterOwnerActor)
         .options(name=OWNER_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
         .remote()
@@ -437,7 +437,7 @@ def _as_owner(
     creates lives as the cluster lives; `keep_as` names an actor handle the owner holds."""
     if handle.owner is None:
         return create(*args)
-    call = handle.owner.run.remote(create, *args, keep_as=keep_as)
+    call = handle.owner.run.remote(create, args, keep_as)
     return ray.get(call, timeout=CONTROL_START_TIMEOUT_S)
 
 
@@ -464,7 +464,7 @@ def _create_engine_actor(
     config: EngineConfig,
     host: str | None,
     rank_keys: CurveKeyPair,
-) -> ActorHandle:
+) -> EngineActorHandle:
     return (
         ray.remote(EngineCoreActor)
         .options(
@@ -534,14 +534,14 @@ def default_resources() -> RankResources:
     return RankResources(num_cpus=1, num_gpus=1 if has_gpus else 0)
 
 
-def _get_actor(name: str, namespace: str) -> ActorHandle | None:
+def _get_actor(name: str, namespace: str) -> Any:
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
 
 
-def _engine_or_none(handle: ClusterHandle, rank: int) -> ActorHandle | None:
+def _engine_or_none(handle: ClusterHandle, rank: int) -> EngineActorHandle | None:
     try:
         return handle.engine(rank)
     except ValueError:
@@ -560,7 +560,7 @@ def _named_engine_ranks(namespace: str) -> list[int]:
     return ranks
 
 
-def _kill_quietly(actor: ActorHandle) -> None:
+def _kill_quietly(actor: Any) -> None:
     try:
         ray.kill(actor, no_restart=True)
     except Exception as e:  # already gone

@@ -90,17 +90,17 @@ def test_wait_for_change_returns_on_change_and_on_timeout(registry: Any) -> None
     epoch = ray.get(registry.membership.remote()).epoch
 
     start = time.monotonic()
-    m = ray.get(registry.wait_for_change.remote(epoch, 0.5))
+    m = ray.get(registry.wait_for_change.remote(epoch, 0.5, None, None))
     assert m.epoch == epoch
     assert 0.45 <= time.monotonic() - start < 3.0
 
     # A caller behind the current epoch is answered at once.
     start = time.monotonic()
-    assert ray.get(registry.wait_for_change.remote(epoch - 1, 30.0)).epoch == epoch
+    assert ray.get(registry.wait_for_change.remote(epoch - 1, 30.0, None, None)).epoch == epoch
     assert time.monotonic() - start < 2.0
 
     start = time.monotonic()
-    pending = registry.wait_for_change.remote(epoch, 30.0)
+    pending = registry.wait_for_change.remote(epoch, 30.0, None, None)
     time.sleep(0.5)
     ray.get(registry.plan_rank.remote(0, "engine-0", "pg-0"))
     m = ray.get(pending, timeout=10)
@@ -110,7 +110,7 @@ def test_wait_for_change_returns_on_change_and_on_timeout(registry: Any) -> None
 
 def test_request_stop_wakes_long_pollers(registry: Any) -> None:
     epoch = ray.get(registry.membership.remote()).epoch
-    pollers = [registry.wait_for_change.remote(epoch, 30.0) for _ in range(3)]
+    pollers = [registry.wait_for_change.remote(epoch, 30.0, None, None) for _ in range(3)]
     time.sleep(0.3)
     ray.get(registry.request_stop.remote())
     for membership in ray.get(pollers, timeout=10):
@@ -119,18 +119,18 @@ def test_request_stop_wakes_long_pollers(registry: Any) -> None:
 
 
 def test_client_indices_are_allocated_freed_pruned_and_never_reused(registry: Any) -> None:
-    assert [ray.get(registry.attach_client.remote(f"c{i}")) for i in range(3)] == [0, 1, 2]
+    assert [ray.get(registry.attach_client.remote(f"c{i}", None)) for i in range(3)] == [0, 1, 2]
     ray.get(registry.detach_client.remote(1))
     assert [c.name for c in ray.get(registry.clients.remote())] == ["c0", "c2"]
-    assert ray.get(registry.attach_client.remote("c3")) == 3  # 1 is free but not reused
+    assert ray.get(registry.attach_client.remote("c3", None)) == 3  # 1 is free but not reused
 
     # Only client 2 keeps polling; the others fall silent past the 1 s timeout.
     deadline = time.monotonic() + 1.6
     while time.monotonic() < deadline:
-        ray.get(registry.wait_for_change.remote(-1, 0.0, client_index=2))
+        ray.get(registry.wait_for_change.remote(-1, 0.0, 2, None))
         time.sleep(0.2)
     assert [(c.client_index, c.name) for c in ray.get(registry.clients.remote())] == [(2, "c2")]
-    assert ray.get(registry.attach_client.remote("c4")) == 4
+    assert ray.get(registry.attach_client.remote("c4", None)) == 4
     status = ray.get(registry.status.remote())
     assert [c["client_index"] for c in status["clients"]] == [2, 4]
     # A pruned client that polls again (it was paused, not gone) is listed again; an index

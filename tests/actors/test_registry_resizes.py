@@ -61,7 +61,7 @@ def test_a_rank_started_by_a_resize_joins_the_new_set_and_serves_once_it_commits
 ) -> None:
     epoch, _ = ray.get(registry.begin_scale.remote("driver", 3))
     plan = ScalePlan(epoch, 3, "ns/resize-1", expert_to_rank=(0, 0, 0, 1, 1, 1, 2, 2))
-    ray.get(registry.set_scale_phase.remote(epoch, "starting", plan=plan, new_ranks=[2]))
+    ray.get(registry.set_scale_phase.remote(epoch, "starting", plan, [2]))
     ray.get(registry.plan_rank.remote(2, "engine-2", "pg-2"))
     start = ray.get(registry.engine_start.remote(2))
     assert start.joining == plan and start.group_name == "ns/resize-1"

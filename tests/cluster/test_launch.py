@@ -146,7 +146,9 @@ def _wait_for_rank(
             seen.append(info.state)
         if predicate(info):
             return membership, seen
-        membership = ray.get(cluster.registry.wait_for_change.remote(membership.epoch, 2.0))
+        membership = ray.get(
+            cluster.registry.wait_for_change.remote(membership.epoch, 2.0, None, None)
+        )
     raise AssertionError(f"rank {rank} never got there; states seen: {seen}")
 
 

@@ -152,7 +152,7 @@ def test_detached_serve_then_status_then_stop(
     assert status["detached"] and status["served_by"] is None and status["clients"] == []
 
     registry = ray.get_actor("shoal-registry", namespace=namespace)
-    ray.get(registry.attach_client.remote("notebook"))
+    ray.get(registry.attach_client.remote("notebook", None))
     assert cli.main(["status", "--namespace", namespace]) == 0
     text = capsys.readouterr().out
     assert "clients: 1" in text and "notebook" in text and "tcp://127.0.0.1:" in text
