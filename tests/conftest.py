@@ -16,6 +16,11 @@ from tests.engine.core_proc_utils import ServedEngine, running_engine, tiny_conf
 from tests.factories import make_tiny_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without CUDA, Triton runs only under its interpreter (TRITON_ATTN's tests on CPU), which must
+# be chosen before anything imports triton: HF's `generate` does. Where there is no GPU nothing
+# else runs Triton, so no other test sees a difference.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

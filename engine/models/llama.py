@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.engine.attention import AttentionMetadata, AttentionWorkspace, PagedAttention
+from shoal.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PagedAttention,
+    select_attention_backend,
+)
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models.layers import (
     BlockSlots,
@@ -38,7 +43,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         arch: ModelArch,
-        workspace: AttentionWorkspace,
+        backend: AttentionBackend[Any],
         *,
         qkv_bias: bool,
         o_bias: bool,
@@ -55,7 +60,7 @@ class LlamaAttention(nn.Module):
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = Linear(arch.hidden_size, qkv_size, bias=qkv_bias, **kw)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=o_bias, **kw)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, workspace)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, rope: RopeAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -138,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         max_position: positions the rotary table covers (the engine's max_model_len).
         dtype: parameter and activation dtype.
         device: where parameters live.
+        attention_backend: the paged attention every layer runs (the model runner's choice);
+            default: the device's default backend.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         max_position: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attention_backend: AttentionBackend[Any] | None = None,
     ):
         super().__init__()
         device = torch.device(device)
@@ -160,12 +168,21 @@ class LlamaForCausalLM(nn.Module):
             arch.rope_scaling,
             **kw,
         )
-        self.workspace = AttentionWorkspace()
+        if attention_backend is None:
+            attention_backend = select_attention_backend(
+                None,
+                device=device,
+                dtype=dtype,
+                num_heads=arch.num_attention_heads,
+                num_kv_heads=arch.num_key_value_heads,
+                head_dim=arch.head_dim,
+            )
+        self.attention_backend = attention_backend
         qkv_bias, o_bias = self._attention_biases(arch)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 arch,
-                LlamaAttention(arch, self.workspace, qkv_bias=qkv_bias, o_bias=o_bias, **kw),
+                LlamaAttention(arch, attention_backend, qkv_bias=qkv_bias, o_bias=o_bias, **kw),
                 self._make_mlp(arch, dtype=dtype, device=device),
                 **kw,
             )

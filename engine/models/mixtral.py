@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.engine.attention import AttentionMetadata
+from shoal.engine.attention import AttentionBackend, AttentionMetadata
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.expert_parallel import ExpertParallel, StagedLayerExperts
 from shoal.engine.loader import SafetensorsReader
@@ -329,12 +329,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
         max_position: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attention_backend: AttentionBackend[Any] | None = None,
     ):
         assert arch.is_moe, "MixtralForCausalLM needs num_local_experts > 0"
         self.expert_parallel = expert_parallel
         if expert_parallel is not None:
             expert_parallel.dtype, expert_parallel.device = dtype, torch.device(device)
-        super().__init__(arch, max_position=max_position, dtype=dtype, device=device)
+        super().__init__(
+            arch,
+            max_position=max_position,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+        )
         for i, layer in enumerate(self.layers):
             # The prefix `LlamaForCausalLM.weight_map` gives layer i, for re-staging experts.
             cast(MixtralMoE, cast(DecoderLayer, layer).mlp).layer_prefix = f"model.layers.{i}"

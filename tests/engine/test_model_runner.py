@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import shoal.engine.attention as attention_module
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.model_runner import ModelRunner, resolve_dtype
 from shoal.engine.protocol import SamplingParams
@@ -93,16 +92,12 @@ def test_mixed_prefill_and_decode_batch_equals_each_alone(hf_llama) -> None:
         assert_logits_close(recorder.logits[f"r{i}"], ref_logits)
 
 
-@pytest.mark.parametrize("split_tokens", [1, 10**9], ids=["split", "one-group"])
-def test_shuffled_block_tables_and_decode_groups(
-    hf_llama, split_tokens: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Very different context lengths, non-contiguous shuffled blocks; decodes attended in
-    # per-length groups (split) or padded to the longest (one group): same tokens either way.
-    monkeypatch.setattr(attention_module, "_DECODE_SPLIT_TOKENS", split_tokens)
-    monkeypatch.setenv("SHOAL_DISABLE_CPU_KERNEL", "1")  # exercise the torch gather path
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "TORCH_SDPA"])
+def test_shuffled_block_tables_and_very_different_contexts(hf_llama, backend: str) -> None:
+    # Very different context lengths, non-contiguous shuffled blocks: each request's tokens
+    # are its tokens alone, through either CPU backend.
     prompts = random_prompts([3, 60, 25, 8, 41], seed=4)
-    runner, recorder = _runner(hf_llama)
+    runner, recorder = _runner(hf_llama, attention_backend=backend)
     requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
     pool = BlockPool(runner.num_blocks, shuffle_seed=0)
     tokens = Driver(runner, pool).generate(requests, 5)
@@ -200,17 +195,15 @@ def test_dtype_resolution(hf_llama) -> None:
         resolve_dtype("float16", arch, cpu)
 
 
-@pytest.mark.parametrize("mode", ["kernel", "padded", "loop"])
-def test_every_prefill_mode_gives_hfs_tokens_chunked_cached_and_batched(
-    hf_llama, mode: str
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "TORCH_SDPA"])
+def test_every_cpu_backend_gives_hfs_tokens_chunked_cached_and_batched(
+    hf_llama, backend: str
 ) -> None:
     # One step holds several prefill chunks at once: whole prompts, a later chunk of a prompt
     # (attending its earlier chunk in the cache), a cached prefix's tail, beside decodes.
     prompts = random_prompts([9, 33, 14, 1, 22], seed=11)
-    runner, recorder = _runner(hf_llama)
-    if mode == "kernel" and runner.decode_kernel is None:
-        pytest.skip("no C kernel here")
-    runner.prefill_mode = mode  # type: ignore[assignment]
+    runner, recorder = _runner(hf_llama, attention_backend=backend)
+    assert runner.attention_backend.name == backend
     driver = Driver(runner, BlockPool(runner.num_blocks, shuffle_seed=3))
     requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
     driver.generate(requests[:1], 2)  # r0 decodes while the rest prefill

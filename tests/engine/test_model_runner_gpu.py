@@ -87,14 +87,17 @@ def test_engine_core_on_cuda_gives_the_same_tokens_alone_and_batched(
         assert run([rid]) == {rid: batched[rid]}
 
 
-@pytest.mark.parametrize("mode", ["padded", "loop"])
-def test_cuda_prefill_chunks_in_one_padded_call_give_hfs_tokens(mode: str) -> None:
+def test_cuda_defaults_to_triton() -> None:
+    runner = make_runner(make_hf_model("LlamaForCausalLM"), device="cuda")
+    assert runner.attention_backend.name == "TRITON_ATTN"
+
+
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TORCH_SDPA"])
+def test_cuda_prefill_chunks_and_decodes_give_hfs_tokens(backend: str) -> None:
     # Several prefill chunks per step (whole prompts, later chunks over a cached past) beside
-    # decodes: the one padded SDPA call (CUDA's default) and one call per chunk agree with HF.
+    # decodes: the Triton kernel (CUDA's default) and the torch reference agree with HF.
     hf_model = make_hf_model("LlamaForCausalLM")
-    runner = make_runner(hf_model, device="cuda")
-    assert runner.prefill_mode == "padded"
-    runner.prefill_mode = mode  # type: ignore[assignment]
+    runner = make_runner(hf_model, device="cuda", attention_backend=backend)
     runner.sampler = recorder = RecordingSampler()
     prompts = random_prompts([9, 33, 14, 1, 22], seed=11)
     driver = Driver(runner, BlockPool(runner.num_blocks, shuffle_seed=3))

@@ -1,5 +1,5 @@
-"""The C paged decode and prefill kernels against a dense float64 softmax(QK^T)V and the torch
-gather path; their build cache and loader; the fallback to the torch path."""
+"""The C paged decode and prefill kernels against a dense float64 softmax(QK^T)V; their build
+cache and loader; the fallback to the torch reference backend."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import shoal.engine.attention as attention_module
 import shoal.engine.paged_attention_kernel as pak
-from shoal.engine.attention import AttentionWorkspace, PagedAttention, build_attention_metadata
 from shoal.engine.paged_attention_kernel import (
     KernelBuildError,
     PagedDecodeKernel,
@@ -210,80 +208,23 @@ def test_other_vector_widths_match(tmp_path: Path, cflags: tuple[str, ...]) -> N
     _assert_close_rel(out, _prefill_reference(pre, query, PREFILL_CHUNKS, starts), FP32_REL)
 
 
-def _attention_step(
-    case: Case, kernel: PagedDecodeKernel | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """One decode step through PagedAttention: the last position of each context is new."""
-    num_heads, head_dim = case.query.shape[1:]
-    num_kv_heads = case.pool.shape[1]
-    attn = PagedAttention(num_heads, num_kv_heads, head_dim, AttentionWorkspace())
-    attn.kv_cache = case.pool.clone()
-    lens = np.array(case.context_lens)
-    # The runner sorts decodes longest first; the torch path's grouping relies on it.
-    order = np.argsort(-lens, kind="stable")
-    starts = lens[order] - 1
-    ones = np.ones(len(lens), dtype=np.int64)
-    positions = starts.copy()
-    meta = build_attention_metadata(
-        starts=starts,
-        num_new_tokens=ones,
-        req_of_token=np.arange(len(lens)),
-        positions=positions,
-        block_table=case.block_table[order],
-        num_decodes=len(lens),
-        block_size=case.block_size,
-        dtype=dtype,
-        device=torch.device("cpu"),
-        decode_kernel=kernel,
-    )
-    assert (meta.kernel_decode is not None) == (kernel is not None)
-    assert (not meta.decode_groups) == (kernel is not None)
-    # New K/V equal to what the pool holds at those slots, so both paths see the same cache.
-    flat = case.pool.flatten(2, 3)
-    slots = meta.slot_mapping
-    k_new, v_new = flat[0][:, slots].transpose(0, 1), flat[1][:, slots].transpose(0, 1)
-    q = case.query[torch.from_numpy(order)].to(dtype)
-    out = attn(q, k_new, v_new, meta).view(len(lens), num_heads, head_dim)
-    return out[torch.from_numpy(np.argsort(order))]
-
-
-@pytest.mark.parametrize("split_tokens", [1, 10**9], ids=["split", "one-group"])
-def test_kernel_equals_torch_path(
-    kernel, split_tokens: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(attention_module, "_DECODE_SPLIT_TOKENS", split_tokens)
-    case = Case(CONTEXTS, num_heads=6, num_kv_heads=2, head_dim=64, seed=5)
-    fast = _attention_step(case, kernel, torch.float32)
-    torch_path = _attention_step(case, None, torch.float32)
-    _assert_close_rel(fast, torch_path, FP32_REL)
-    _assert_close_rel(fast, case.reference(), FP32_REL)
-
-
-def test_bf16_kernel_equals_torch_path_within_bf16(kernel) -> None:
-    case = Case(CONTEXTS, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
-    fast = _attention_step(case, kernel, torch.bfloat16)
-    torch_path = _attention_step(case, None, torch.bfloat16)
-    assert fast.dtype == torch.bfloat16
-    _assert_close_rel(fast, torch_path, 3 * BF16_EPS)
-    _assert_close_rel(fast, case.reference(), 2 * BF16_EPS)
-
-
 def test_disable_env_selects_the_torch_path(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
     hf_model = make_hf_model("LlamaForCausalLM", seed=3)
     prompts = random_prompts([3, 40, 17], seed=9)
 
-    def generate() -> tuple[object, dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    def generate() -> tuple[str, dict[str, list[int]], dict[str, list[torch.Tensor]]]:
         runner = make_runner(hf_model, block_size=4)
         runner.sampler = recorder = RecordingSampler()
         requests = [make_request(f"r{i}", p) for i, p in enumerate(prompts)]
         pool = BlockPool(runner.num_blocks, shuffle_seed=2)
-        return runner.decode_kernel, Driver(runner, pool).generate(requests, 6), recorder.logits
+        tokens = Driver(runner, pool).generate(requests, 6)
+        return runner.attention_backend.name, tokens, recorder.logits
 
     used, tokens, logits = generate()
-    assert isinstance(used, PagedDecodeKernel)
+    assert used == "CPU_ATTN"
     monkeypatch.setenv(pak.DISABLE_ENV, "1")
     fallback, fallback_tokens, fallback_logits = generate()
-    assert fallback is None
+    assert fallback == "TORCH_SDPA"
     assert fallback_tokens == tokens
     for rid, rows in logits.items():
         assert_logits_close(rows, fallback_logits[rid])
