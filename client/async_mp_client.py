@@ -319,9 +319,15 @@ class AsyncMPClient(AsyncEngineSetMixin):
             raise as_engine_error(e, self._check_engine(engine)) from e
 
     async def add_request_async(
-        self, request: EngineCoreRequest, engine: EngineIdentity | None = None
+        self,
+        request: EngineCoreRequest,
+        engine: EngineIdentity | None = None,
+        *,
+        session_id: str | None = None,
     ) -> None:
         """Sends one request (to `engine`, default the first); outputs come from get_output_async.
+
+        `session_id` only matters to a client that routes (`DPLBAsyncMPClient`).
 
         To an engine counted dead that may come back (`EngineSet.may_return`), it is sent once
         the engine is attached again, if that happens within ENGINE_RETURN_WAIT_S.

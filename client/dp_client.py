@@ -4,8 +4,9 @@
 answers `lb_engines`, the ranks that may take new requests, from its engine set.
 `DPLBAsyncMPClient` sends each request to the rank its `LoadBalancePolicy` picks, keeps
 request → rank and each rank's load in its `RequestRouter` (so aborts reach the owner whatever
-the policy), and feeds it from the outputs it sees (`process_engine_outputs`). Neither knows
-Ray: the cluster link tells them when ranks come and go.
+the policy), every rank's prefix cache in its `KVCacheIndex` (fed by the engines' KV events),
+and feeds both from the outputs it sees (`process_engine_outputs`). Neither knows Ray: the
+cluster link tells them when ranks come and go.
 """
 
 from __future__ import annotations
@@ -23,8 +24,16 @@ import zmq.asyncio
 
 from shoal.client.async_engine_set import wait_for_engines
 from shoal.client.async_mp_client import AsyncMPClient
-from shoal.client.lb_policy import LeastLoadedPolicy, LoadBalancePolicy
+from shoal.client.kv_index import KVCacheIndex
+from shoal.client.lb_policy import (
+    LoadBalancePolicy,
+    RankView,
+    RouteRequest,
+    RoutingDecision,
+    make_policy,
+)
 from shoal.client.routing import RequestRouter
+from shoal.engine.block_hash import prompt_routing_keys
 from shoal.engine.elastic import RECONFIGURED, SHUTDOWN_COMPLETE, ScaleNotice
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
@@ -33,8 +42,10 @@ from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineEndpoint,
+    EngineFacts,
     EngineStatsReport,
     FinishReason,
+    KVCacheSnapshot,
     SchedulerStats,
 )
 
@@ -237,12 +248,14 @@ class DPAsyncMPClient(AsyncMPClient):
 
 
 class DPLBAsyncMPClient(DPAsyncMPClient):
-    """Routes each request to the least-loaded rank (the policy's docstring is the algorithm).
+    """Routes each request by its policy (the policy's docstring is the algorithm).
 
     Args:
         endpoints, stats_address, **kwargs: as for `DPAsyncMPClient`.
-        policy: the load-balancing policy; default `LeastLoadedPolicy()`.
+        policy: the routing policy; default `make_policy("cache-aware")`.
     """
+
+    wants_kv_events = True
 
     def __init__(
         self,
@@ -251,11 +264,14 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         policy: LoadBalancePolicy | None = None,
         **kwargs: Any,
     ) -> None:
-        self.policy = policy or LeastLoadedPolicy()
+        self.policy = policy or make_policy("cache-aware")
         self.router = RequestRouter()
+        self.kv_index = KVCacheIndex()
         super().__init__(endpoints, **kwargs)
 
-    def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
+    def get_core_engine_for_request(
+        self, request: EngineCoreRequest, session_id: str | None = None
+    ) -> int:
         """The rank for a new request: its explicit `data_parallel_rank`, else the policy's pick.
 
         Raises:
@@ -269,10 +285,39 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                     f"data_parallel_rank {pinned} is not serving (serving: {self.lb_engines})"
                 )
             return pinned
+        return self.route(request, session_id).rank
+
+    def route(self, request: EngineCoreRequest, session_id: str | None = None) -> RoutingDecision:
+        """The policy's choice among the routable ranks, from their load and cached prefix;
+        O(ranks + prompt blocks).
+
+        Raises:
+            EngineDeadError: no rank is serving.
+        """
         routable = self.lb_engines
         if not routable:
             raise EngineDeadError("no engine rank is serving")
-        return self.policy.choose(routable, self.router.loads)
+        tokens = [*request.prompt_token_ids, *request.resumed_output_token_ids]
+        index = self.kv_index
+        for rank in index.unsynced(routable):
+            self._resync_kv_index(rank)  # attached before the event loop ran
+        keys: list[int] = []
+        if index.block_size and len(routable) > 1 and index.num_keys:
+            try:
+                keys = prompt_routing_keys(tokens, index.block_size)
+            except (OverflowError, TypeError):
+                keys = []  # token ids no engine takes: the engine refuses the request itself
+        matched = index.match(keys, routable)
+        views = [
+            RankView(
+                rank,
+                self.router.load(rank),
+                matched[rank] * index.block_size,
+                index.num_cached_blocks(rank),
+            )
+            for rank in routable
+        ]
+        return self.policy.choose(RouteRequest(len(tokens), session_id), views)
 
     async def _wait_for_a_rank(self) -> bool:
         """Waits (`wait_for_engines`) for a routable rank, if ranks may come back."""
@@ -286,21 +331,40 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         return self.router.rank_of(request_id)
 
     async def add_request_async(
-        self, request: EngineCoreRequest, engine: bytes | None = None
+        self,
+        request: EngineCoreRequest,
+        engine: bytes | None = None,
+        *,
+        session_id: str | None = None,
     ) -> None:
+        """Sends a request to the rank its pin or the policy picks.
+
+        Args:
+            request: the request.
+            engine: ignored (the rank is chosen here).
+            session_id: keep this session on one rank while its load allows (the policy's
+                `SessionAffinityPolicy`); None: no affinity.
+        """
         try:
-            rank = self.get_core_engine_for_request(request)
+            decision = self._decide(request, session_id)
         except EngineDeadError:
             # Every rank is down here; wait for one a cluster link is attaching again.
             if not await self._wait_for_a_rank():
                 raise
-            rank = self.get_core_engine_for_request(request)
+            decision = self._decide(request, session_id)
+        rank = decision.rank if decision is not None else request.data_parallel_rank
+        assert rank is not None
         # The DP wave last published: lets an expert-parallel rank tell a request that raced
         # the end of a wave.
         request.current_wave = self.current_wave
         endpoint = self.engine_set.endpoint(rank)
         assert endpoint is not None, "a routable rank is in the engine set"
-        self.router.on_sent(request.request_id, rank, len(request.prompt_token_ids), request)
+        predicted = None
+        if decision is not None:
+            predicted = decision.predicted_hit_tokens
+            self.router.stats.on_decision(decision.reason)
+        num_tokens = len(request.prompt_token_ids)
+        self.router.on_sent(request.request_id, rank, num_tokens, request, predicted)
         self.policy.on_sent(rank)
         try:
             await super().add_request_async(request, endpoint.identity)
@@ -318,10 +382,19 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                 await super().abort_requests_async(ids, endpoint.identity)
 
     async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
-        """Keeps the in-flight map and the view of the sending rank's load current."""
+        """Keeps the in-flight map, the view of the sending rank's load and its cache current."""
         router = self.router
         for output in outputs.outputs:
-            router.on_output(output.request_id, output.finished, output.new_token_ids)
+            router.on_output(
+                output.request_id, output.finished, output.new_token_ids, output.num_cached_tokens
+            )
+        events, rank = outputs.kv_events, outputs.engine_index
+        if (
+            events is not None
+            and rank in self.engine_set
+            and self.kv_index.apply_events(rank, events)
+        ):
+            self._resync_kv_index(rank)
         if outputs.scheduler_stats is not None:
             self._on_rank_stats(
                 outputs.engine_index, outputs.scheduler_stats, outputs.requests_seen
@@ -354,6 +427,49 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     def _on_rank_unroutable(self, engine_index: int) -> None:
         super()._on_rank_unroutable(engine_index)
         self.router.forget_rank(engine_index)
+        self.kv_index.drop_rank(engine_index)
+
+    def _decide(self, request: EngineCoreRequest, session_id: str | None) -> RoutingDecision | None:
+        """The policy's decision, or None for a request pinned to a serving rank."""
+        if request.data_parallel_rank is not None:
+            self.get_core_engine_for_request(request)  # checks the pin
+            return None
+        return self.route(request, session_id)
+
+    def _on_attached(self, engine_index: int, facts: EngineFacts) -> None:
+        """A rank (a new incarnation) starts with an empty cache view, synced from a snapshot."""
+        super()._on_attached(engine_index, facts)
+        self.kv_index.add_rank(engine_index, facts.block_size)
+        self._resync_kv_index(engine_index)
+
+    def _resync_kv_index(self, rank: int) -> None:
+        """Fetches a snapshot of an UNSYNCED rank's cache, in a task (see `KVCacheIndex`)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the first batch of events from the rank asks again
+        if not self.kv_index.need_snapshot(rank):
+            return
+        task = asyncio.create_task(self._fetch_kv_snapshot(rank), name=f"KVSnapshot_{rank}")
+        self.resources.side_tasks.add(task)  # cancelled when the client closes
+        task.add_done_callback(self.resources.side_tasks.discard)
+
+    async def _fetch_kv_snapshot(self, rank: int) -> None:
+        endpoint = self.engine_set.endpoint(rank)
+        try:
+            if endpoint is None:
+                raise EngineDeadError(f"rank {rank} left")
+            snapshot = await self._call_utility_async(
+                "get_kv_cache_snapshot", engine=endpoint.identity
+            )
+            if not isinstance(snapshot, KVCacheSnapshot):
+                raise TypeError(f"not a KV-cache snapshot: {type(snapshot).__name__}")
+        except Exception as e:  # the rank died or is an older engine: route without its cache
+            logger.info("no KV-cache snapshot from rank %d: %s", rank, e)
+            self.kv_index.snapshot_failed(rank)
+            return
+        if self.kv_index.apply_snapshot(rank, snapshot):
+            self._resync_kv_index(rank)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Calls a utility method on every serving rank; returns the first rank's result."""

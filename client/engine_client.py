@@ -30,8 +30,11 @@ class EngineCoreClient(Protocol):
     @property
     def is_closed(self) -> bool: ...
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        """Sends a request to an engine (the client picks which)."""
+    async def add_request_async(
+        self, request: EngineCoreRequest, *, session_id: str | None = None
+    ) -> None:
+        """Sends a request to an engine (the client picks which; a router keeps the requests
+        of one `session_id` on one rank while its load allows)."""
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Aborts requests wherever they run."""

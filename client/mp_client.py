@@ -101,6 +101,9 @@ class MPClient:
         TimeoutError: an engine did not answer HELLO in time.
     """
 
+    # Whether this client asks the engines for their KV events at HELLO (a router does).
+    wants_kv_events = False
+
     def __init__(
         self,
         endpoints: Sequence[EngineEndpoint],
@@ -350,7 +353,9 @@ class MPClient:
 
     def _hello_message(self) -> tuple[int, tuple[bytes | memoryview, ...]]:
         call_id = uuid.uuid1().int >> 64
-        hello = EngineHello(self.client_index, self.output_address, call_id)
+        hello = EngineHello(
+            self.client_index, self.output_address, call_id, wants_kv_events=self.wants_kv_events
+        )
         return call_id, (EngineCoreRequestType.HELLO.value, *self.encoder.encode(hello))
 
     def _on_hello_reply(self, endpoint: EngineEndpoint, output: UtilityOutput) -> EngineFacts:

@@ -2,13 +2,15 @@
 
 The `DPLBAsyncMPClient` owns one. It records which rank each in-flight request was sent to
 (so aborts reach the owner, whatever policy chose the rank), and per rank a `RankLoad`: the
-latest published stats with how many of this client's requests they include, and this
-client's own sends there. A load-balancing policy only reads `RankLoad`s and scores them.
+latest published stats with how many of this client's requests they include, and running sums
+of this client's sends there that those stats miss. A load-balancing policy only reads
+`RankLoad`s; every read is O(1), whatever the number of requests in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -30,6 +32,11 @@ class InFlightRequest:
     has_output: bool = False
     request: EngineCoreRequest | None = None
     token_ids: list[int] = field(default_factory=list)
+    # Whether the rank's `RankLoad.num_unseen` / `unseen_prompt_tokens` count this request.
+    is_counted_unseen: bool = False
+    # Prompt tokens the routing policy expected the rank to hold cached; None: not routed by
+    # a policy (pinned, or handed over).
+    predicted_hit_tokens: int | None = None
 
     def resumed_request(self) -> EngineCoreRequest:
         """The request to send to another rank, continuing from where this one left it."""
@@ -46,19 +53,40 @@ class RankLoad:
 
     `stats` were measured after the rank had taken in `requests_seen` of this client's
     requests (the engine counts each client's ADDs), so exactly the sends with `seq >=
-    requests_seen` are missing from them.
+    requests_seen` are missing from them. Of those, the ones with no output yet (once one has
+    output, the engine's counts carry it) are "unseen": `num_unseen` of them, with
+    `unseen_prompt_tokens` prompt tokens in all.
+
+    The two sums are kept incrementally, so reading them costs O(1): a send adds to them; its
+    first output, finish, abort or hand-over subtracts, once (`is_counted_unseen`); newer
+    stats subtract the sends they now include, found at the front of `_pending`, which holds
+    the counted sends in send order. Every send enters and leaves `_pending` once.
     """
 
     stats: SchedulerStats | None = None
     requests_seen: int = 0
     num_sent: int = 0
     in_flight: dict[str, InFlightRequest] = field(default_factory=dict)
+    num_unseen: int = 0
+    unseen_prompt_tokens: int = 0
+    _pending: deque[InFlightRequest] = field(default_factory=deque)
 
-    def unseen(self) -> Iterator[InFlightRequest]:
-        """This client's requests that the published stats do not include yet and that have
-        produced no output (once one has, the engine's counts carry it)."""
-        seen = self.requests_seen
-        return (e for e in self.in_flight.values() if e.seq >= seen and not e.has_output)
+    def add(self, request_id: str, entry: InFlightRequest) -> None:
+        """Records a send to this rank (its `seq` is `num_sent`)."""
+        self.in_flight[request_id] = entry
+        self.num_sent += 1
+        if entry.seq >= self.requests_seen:
+            entry.is_counted_unseen = True
+            self.num_unseen += 1
+            self.unseen_prompt_tokens += entry.prompt_tokens
+            self._pending.append(entry)
+
+    def mark_seen(self, entry: InFlightRequest) -> None:
+        """Stops counting a request as unseen (it produced output, finished or left)."""
+        if entry.is_counted_unseen:
+            entry.is_counted_unseen = False
+            self.num_unseen -= 1
+            self.unseen_prompt_tokens -= entry.prompt_tokens
 
     def update_stats(self, stats: SchedulerStats, requests_seen: int) -> bool:
         """Takes newer stats; returns False for older ones, which are ignored.
@@ -72,7 +100,26 @@ class RankLoad:
         ):
             return False
         self.stats, self.requests_seen = stats, requests_seen
+        pending = self._pending
+        while pending and pending[0].seq < requests_seen:
+            self.mark_seen(pending.popleft())
         return True
+
+
+@dataclass
+class RoutingStats:
+    """Running totals of this client's routing, for metrics and `shoal status`.
+
+    Predicted hits are what the policy expected the chosen rank to hold cached; actual ones
+    what the engine reported with the request's first output (`num_cached_tokens`).
+    """
+
+    decisions: dict[str, int] = field(default_factory=dict)  # reason -> requests
+    predicted_hit_tokens: int = 0
+    actual_hit_tokens: int = 0
+
+    def on_decision(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
 
 
 class RequestRouter:
@@ -81,6 +128,7 @@ class RequestRouter:
     def __init__(self) -> None:
         self.loads: dict[int, RankLoad] = {}
         self._rank_of: dict[str, int] = {}
+        self.stats = RoutingStats()
 
     def __len__(self) -> int:
         """The number of this client's requests in flight."""
@@ -105,24 +153,37 @@ class RequestRouter:
         rank: int,
         prompt_tokens: int,
         request: EngineCoreRequest | None = None,
+        predicted_hit_tokens: int | None = None,
     ) -> None:
         """Records a send; keeps `request` (and from now on its tokens) if given."""
         load = self.load(rank)
-        load.in_flight[request_id] = InFlightRequest(prompt_tokens, load.num_sent, request=request)
-        load.num_sent += 1
+        entry = InFlightRequest(prompt_tokens, load.num_sent, request=request)
+        entry.predicted_hit_tokens = predicted_hit_tokens
+        load.add(request_id, entry)
         self._rank_of[request_id] = rank
 
-    def on_output(self, request_id: str, finished: bool, new_token_ids: Sequence[int] = ()) -> None:
+    def on_output(
+        self,
+        request_id: str,
+        finished: bool,
+        new_token_ids: Sequence[int] = (),
+        num_cached_tokens: int = 0,
+    ) -> None:
         rank = self._rank_of.get(request_id)
         if rank is None:
             return
-        in_flight = self.loads[rank].in_flight
+        load = self.loads[rank]
+        first = load.in_flight[request_id]
+        if not first.has_output and first.predicted_hit_tokens is not None:
+            self.stats.predicted_hit_tokens += first.predicted_hit_tokens
+            self.stats.actual_hit_tokens += num_cached_tokens
         if finished:
             del self._rank_of[request_id]
-            del in_flight[request_id]
+            load.mark_seen(load.in_flight.pop(request_id))
         else:
-            entry = in_flight[request_id]
+            entry = load.in_flight[request_id]
             entry.has_output = True
+            load.mark_seen(entry)
             if entry.request is not None:
                 entry.token_ids.extend(new_token_ids)
 
@@ -132,7 +193,10 @@ class RequestRouter:
         if self._rank_of.get(request_id) != rank:
             return None
         del self._rank_of[request_id]
-        return self.loads[rank].in_flight.pop(request_id)
+        load = self.loads[rank]
+        entry = load.in_flight.pop(request_id)
+        load.mark_seen(entry)
+        return entry
 
     def on_aborted(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
         """Forgets aborted requests; returns those that were in flight, by rank."""
@@ -140,7 +204,8 @@ class RequestRouter:
         for request_id in request_ids:
             rank = self._rank_of.pop(request_id, None)
             if rank is not None:
-                del self.loads[rank].in_flight[request_id]
+                load = self.loads[rank]
+                load.mark_seen(load.in_flight.pop(request_id))
                 by_rank.setdefault(rank, []).append(request_id)
         return by_rank
 

@@ -18,6 +18,11 @@ Three sources, nothing polled from the engines:
 - Request series (token counters, `vllm:request_success_total`, the latency and size
   histograms, `shoal:requests_routed_total`) count what this front end served. Each front end
   is its own scrape target; `sum` over targets gives the cluster's totals.
+- Routing series, read at scrape time from this front end's router (`RoutingStats`):
+  `shoal:routing_decisions_total{reason}` (reason "cache", "load", "session" or "only-rank"),
+  and the prompt tokens the router predicted the chosen rank held cached against those the
+  engine found, `shoal:routing_predicted_hit_tokens_total` and
+  `shoal:routing_actual_hit_tokens_total`. Per front end: `sum` over targets.
 
 Labels: `model_name` (the served model name), `engine` (the DP rank), and those named above.
 """
@@ -32,7 +37,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shoal.client.lb_policy import REASONS
 from shoal.client.outputs import RequestMetrics
+from shoal.client.routing import RoutingStats
 from shoal.engine.protocol import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -132,11 +139,47 @@ class _ClusterCollector(Collector):
         yield scaling
 
 
+class _RoutingCollector(Collector):
+    """This front end's routing decisions and predicted against actual prefix-cache hits."""
+
+    def __init__(self, model_name: str, routing_stats: Callable[[], RoutingStats | None]) -> None:
+        self._model_name = model_name
+        self._routing_stats = routing_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._routing_stats()
+        if stats is None:
+            return  # one local engine: nothing is routed
+        labels = ["model_name"]
+        decisions = CounterMetricFamily(
+            "shoal:routing_decisions",
+            "Requests this front end routed, by why the rank won.",
+            labels=[*labels, "reason"],
+        )
+        for reason in REASONS:
+            decisions.add_metric([self._model_name, reason], stats.decisions.get(reason, 0))
+        yield decisions
+        for name, value, doc in (
+            ("predicted", stats.predicted_hit_tokens, "the router expected the rank to hold"),
+            ("actual", stats.actual_hit_tokens, "the engine found in its prefix cache"),
+        ):
+            family = CounterMetricFamily(
+                f"shoal:routing_{name}_hit_tokens",
+                f"Prompt tokens of routed requests {doc}.",
+                labels=labels,
+            )
+            family.add_metric([self._model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """The registry one front end serves at /metrics; `observe_finished` feeds it."""
 
     def __init__(
-        self, model_name: str, rank_stats: Callable[[], dict[int, SchedulerStats]]
+        self,
+        model_name: str,
+        rank_stats: Callable[[], dict[int, SchedulerStats]],
+        routing_stats: Callable[[], RoutingStats | None] = lambda: None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -196,6 +239,7 @@ class ServerMetrics:
         self._counted_scale_epochs: set[int] = set()
         reg.register(_RankCollector(model_name, rank_stats))
         reg.register(_ClusterCollector(model_name, self.cluster))
+        reg.register(_RoutingCollector(model_name, routing_stats))
 
     def observe_scale_history(self, history: Iterable[Mapping[str, Any]]) -> None:
         """Counts the resizes of the registry's history (`status()["scale_history"]`, re-read

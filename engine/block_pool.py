@@ -6,13 +6,12 @@ and which request holds which blocks is `shoal.engine.kv_cache`'s business. No t
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-# The parent hash of a request's first block. Real block hashes start at 1.
-ROOT_BLOCK_HASH = 0
+from shoal.engine.block_hash import hash_block, routing_key
+from shoal.engine.kv_events import KVEventLog
 
 # (parent block hash, the block's token ids): the exact content of a full block in its context.
 BlockKey = tuple[int, tuple[int, ...]]
@@ -39,11 +38,14 @@ class BlockPool:
     KV are appended at the back when freed (least recently used is evicted first); blocks with
     nothing worth keeping go to the front so they are reused before any cached block.
 
-    Block hashes are interned ids, not digests: the index maps the exact key
-    `(parent hash, token ids)` to a block, and a new key gets a fresh id that is never reused.
-    By induction two blocks share a hash only if their whole prefixes are equal, so a hash
-    collision can never serve wrong KV. A key whose parent was evicted becomes unreachable and
-    leaves the index when its own block is evicted.
+    Block hashes are the chained 128-bit content hashes of `shoal.engine.block_hash`, the
+    same ones clients compute to route by cache: the index maps the exact key
+    `(parent hash, token ids)` to a block, so serving wrong KV would take two different
+    prefixes with equal 128-bit hashes. A block whose parent was evicted stays cached and is
+    reachable again once its parent's content is cached again.
+
+    Every block that enters or leaves the index is recorded in `kv_events` (as its
+    `routing_key`), for the clients' routing indexes.
 
     Args:
         num_blocks: number of blocks in the pool.
@@ -55,7 +57,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached_block_ids: dict[BlockKey, int] = {}
-        self._hash_ids = itertools.count(ROOT_BLOCK_HASH + 1)
+        self.kv_events = KVEventLog()
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +71,10 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached_block_ids)
+
+    def cached_routing_keys(self) -> list[int]:
+        """The routing keys of every cached block (a KV-events snapshot)."""
+        return [routing_key(b.block_hash) for b in self.blocks if b.block_hash is not None]
 
     def free_block_ids(self) -> Iterator[int]:
         """The free queue, next to be reused first."""
@@ -141,9 +147,10 @@ class BlockPool:
             return cached_hash
         block = self.blocks[block_id]
         assert block.ref_count > 0 and block.block_hash is None, f"cannot cache {block}"
-        block.block_hash = next(self._hash_ids)
+        block.block_hash = hash_block(parent_hash, token_ids)
         block.cache_key = key
         self._cached_block_ids[key] = block_id
+        self.kv_events.on_stored(routing_key(block.block_hash))
         return block.block_hash
 
     def reset_prefix_cache(self) -> bool:
@@ -161,5 +168,7 @@ class BlockPool:
     def _uncache(self, block: KVBlock) -> None:
         if block.cache_key is not None:
             del self._cached_block_ids[block.cache_key]
+            assert block.block_hash is not None
+            self.kv_events.on_removed(routing_key(block.block_hash))
         block.block_hash = None
         block.cache_key = None

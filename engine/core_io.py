@@ -84,7 +84,13 @@ MAX_REFUSALS_PER_S = 20
 # model-runner methods that read, called without arguments. Nothing that loads weights, binds
 # the KV cache or runs the model is reachable.
 UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
-    {"get_stats": 0, "reset_prefix_cache": 0, "echo": 1, "collective_rpc": 2}
+    {
+        "get_stats": 0,
+        "reset_prefix_cache": 0,
+        "echo": 1,
+        "collective_rpc": 2,
+        "get_kv_cache_snapshot": 0,
+    }
 )
 READ_ONLY_RUNNER_METHODS = frozenset({"bytes_per_block", "determine_num_blocks"})
 
@@ -530,7 +536,9 @@ class InputThread(threading.Thread):
         self._poller.register(monitor, zmq.POLLIN)
         # The PUSH belongs to the output thread from here on; the queue is the memory barrier.
         reply = self._hello_reply(hello, connection.serial)
-        self._work_queue.put(AttachClient(hello.client_index, push, reply, connection.serial))
+        self._work_queue.put(
+            AttachClient(hello.client_index, push, reply, connection.serial, hello.wants_kv_events)
+        )
         logger.info(
             "engine %d attached client %d (outputs to %s)",
             self._engine_index,

@@ -39,6 +39,7 @@ from shoal.engine.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
 from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan
 from shoal.engine.elastic_rank import ElasticRank
 from shoal.engine.engine_core import EngineCore
+from shoal.engine.kv_events import with_kv_events
 from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
@@ -216,6 +217,7 @@ class EngineCoreProc:
         self._orphan_ids: dict[int, set[str]] = {}
         # Attached clients as the stats reports tell them (see `EngineStatsReport`).
         self._attached_clients: set[int] = set()
+        self._kv_event_clients: set[int] = set()  # those that asked for KV events at HELLO
         # The last resize this rank committed: told again to every client that attaches later.
         self._last_reconfigured: ScaleNotice | None = None
         self._attaches_seen = 0
@@ -309,6 +311,8 @@ class EngineCoreProc:
                 self.elastic.join_new_set()
             while not self._is_shutdown_requested:
                 self._process_input_queue()  # (1)
+                if self.engine_core.has_kv_events():  # a change outside a step (a reset)
+                    self._queue_outputs({})
                 self.elastic.poll()
                 if self._wave is not None:
                     self._run_wave_turn(self._wave)  # (2), (3) in lockstep with the peers
@@ -395,12 +399,17 @@ class EngineCoreProc:
                 self._call_utility(client_index, call_id, method, args)
             case DetachClient(client_index):
                 self._attached_clients.discard(client_index)
+                self._kv_event_clients.discard(client_index)
                 aborted = self.engine_core.abort_client_requests(client_index)
                 if aborted:
                     self._orphan_ids[client_index] = set(aborted)
                 self._output_thread.submit(item)
             case AttachClient(client_index, attach_serial=attach_serial):
                 self._attached_clients.add(client_index)
+                if item.wants_kv_events:
+                    self._kv_event_clients.add(client_index)
+                else:
+                    self._kv_event_clients.discard(client_index)
                 self._attaches_seen = attach_serial
                 self._output_thread.submit(item)
                 if self._last_reconfigured is not None:  # the set this client attached to
@@ -440,7 +449,11 @@ class EngineCoreProc:
 
     def _queue_outputs(self, outputs_by_client: dict[int, EngineCoreOutputs]) -> None:
         orphans, self._orphan_ids = self._orphan_ids, {}
-        for client_index, outputs in outputs_by_client.items():
+        batches = self.engine_core.take_kv_events()
+        frames = with_kv_events(
+            outputs_by_client, batches, self._kv_event_clients, self.engine_index
+        )
+        for client_index, outputs in frames:
             dropped = orphans.get(client_index)
             if dropped:
                 outputs.outputs = [o for o in outputs.outputs if o.request_id not in dropped]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shoal.engine.block_pool import ROOT_BLOCK_HASH, BlockPool
+from shoal.engine.block_hash import ROOT_BLOCK_HASH, num_hit_blocks
+from shoal.engine.block_pool import BlockPool
 from shoal.engine.request import Request
 
 
@@ -71,7 +72,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.request_id in self._block_ids:
             return [], 0
         tokens = request.all_token_ids
-        max_hit_blocks = (len(tokens) - 1) // self.block_size
+        max_hit_blocks = num_hit_blocks(len(tokens), self.block_size)
         block_ids: list[int] = []
         parent_hash = ROOT_BLOCK_HASH
         for i in range(max_hit_blocks):

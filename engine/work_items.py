@@ -51,6 +51,7 @@ class AttachClient:
     push: zmq.Socket
     reply: EngineCoreOutputs
     attach_serial: int
+    wants_kv_events: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ async def test_removing_reattaching_and_losing_a_rank_changes_the_one_engine_set
         assert engines.routable() == client.lb_engines == [0, 1]
         client.remove_engine(1)
         assert engines.indices() == [0] and client.lb_engines == [0]
+        assert 1 not in client.kv_index.views  # its cache leaves the routing index too
         with pytest.raises(EngineDeadError, match="removed") as removed:
             await client.get_output_async()  # what was on it will get no more outputs
         assert removed.value.engine_index == 1
@@ -92,6 +93,7 @@ async def test_removing_reattaching_and_losing_a_rank_changes_the_one_engine_set
         await asyncio.sleep(0.3)  # the identity's reconnect guard (libzmq#1572)
         await client.add_engine_async(one.endpoint)
         assert engines.routable() == client.lb_engines == [0, 1]
+        assert 1 in client.kv_index.views  # back, with a view of its own to sync
         await client.add_request_async(_pinned("on-one", 1))
         assert client.rank_of("on-one") == 1
 

@@ -64,7 +64,7 @@ def cluster(ray_local: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 async def llm(cluster: ClusterHandle) -> AsyncIterator[AsyncLLM]:
     engine = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="test driver")
     yield engine
-    await engine.shutdown()
+    await engine.aclose()
 
 
 def _client(llm: AsyncLLM) -> DPLBAsyncMPClient:
@@ -121,6 +121,49 @@ async def test_pinned_rank_is_honoured(llm: AsyncLLM) -> None:
         assert output.data_parallel_rank == rank
 
 
+async def test_a_plain_shutdown_call_detaches_from_the_cluster(cluster: ClusterHandle) -> None:
+    """vLLM's `llm.shutdown()`, not awaited, on a client attached by namespace."""
+    other = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="plain shutdown")
+
+    async def client_names() -> list[str]:
+        status = await asyncio.to_thread(cluster.status)
+        return [c["name"] for c in status["clients"]]
+
+    assert "plain shutdown" in await client_names()
+    assert (await _final(other, "before", _params(3))).outputs[0].token_ids
+    assert other.shutdown() is None
+    assert "plain shutdown" not in await client_names()
+    with pytest.raises(EngineDeadError):
+        await _final(other, "after", _params(3))
+
+
+async def test_conversation_turns_follow_their_cache_and_front_ends_agree(
+    llm: AsyncLLM, cluster: ClusterHandle
+) -> None:
+    """Each turn repeats the last: it goes where that is cached, and the engine finds it
+    there; a second front end, which sent nothing, would send the next turn to the same rank."""
+    other = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="second front end")
+    try:
+        prompt = [3 + (i * 7) % 90 for i in range(200)]
+        ranks, hits = [], []
+        for _ in range(3):
+            output = await _final(llm, {"prompt_token_ids": prompt}, _params(4))
+            ranks.append(output.data_parallel_rank)
+            hits.append(output.num_cached_tokens)
+            prompt = [*prompt, *output.outputs[0].token_ids, 5, 6, 7]
+        assert len(set(ranks)) == 1 and min(hits[1:]) >= 192, (ranks, hits)
+        probe = EngineCoreRequest("probe", prompt, _params(4))
+        deadline = time.monotonic() + 10
+        while True:
+            mine, theirs = _client(llm).route(probe), _client(other).route(probe)
+            if mine == theirs and mine.rank == ranks[0] and mine.predicted_hit_tokens >= 208:
+                break
+            assert time.monotonic() < deadline, (mine, theirs)
+            await asyncio.sleep(0.1)
+    finally:
+        await other.aclose()
+
+
 async def test_two_drivers_only_see_their_own_outputs(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
@@ -142,7 +185,7 @@ async def test_two_drivers_only_see_their_own_outputs(
                 finished.add(output.request_id)
     assert all(n == 5 for n in seen.values())
     assert all(len(o.outputs[0].token_ids) == 5 for o in await mine)
-    await other.shutdown()
+    await other.aclose()
 
 
 async def test_drivers_may_use_the_same_request_ids_on_one_rank(
@@ -170,7 +213,7 @@ async def test_drivers_may_use_the_same_request_ids_on_one_rank(
         with pytest.raises(ValueError, match="'job-0' is already in use"):  # within one driver
             await asyncio.gather(run(other, 0), run(other, 0))
     finally:
-        await other.shutdown()
+        await other.aclose()
 
 
 async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: ClusterHandle) -> None:
@@ -180,7 +223,7 @@ async def test_a_driver_that_shut_down_leaves_no_task_on_its_loop(cluster: Clust
         other = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="brief driver")
         await _final(other, "brief", _params(3))
         await asyncio.sleep(0.2)  # the membership watch is waiting by now
-        await other.shutdown()
+        await other.aclose()
         for _ in range(3):  # cancelled tasks finish on the loop's next turns
             await asyncio.sleep(0)
         return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
@@ -224,14 +267,14 @@ async def test_a_cluster_seen_by_its_drivers_from_launch_to_stop(
             text = before.outputs[0].text
             assert (await _final(away, "before", _params(3))).outputs[0].text == text
         finally:
-            await away.shutdown()
+            await away.aclose()
         await asyncio.to_thread(handle.shutdown)
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
             await _final(driver, "after the stop", _params(3))
         assert time.monotonic() - started < ENGINE_RETURN_WAIT_S / 2
     finally:
-        await driver.shutdown()
+        await driver.aclose()
         (await launched).shutdown()
 
 
@@ -298,7 +341,7 @@ async def _restart_coordinator(
             output = await _final(late, "after the restart", _params(3))
             assert len(output.outputs[0].token_ids) == 3
         finally:
-            await late.shutdown()
+            await late.aclose()
         return old, addresses
     finally:
         client._on_stats_snapshot = on_snapshot  # type: ignore[method-assign]
@@ -356,7 +399,7 @@ async def test_a_restarted_registry_keeps_the_cluster_and_its_drivers(
         )
         assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
     finally:
-        await late.shutdown()
+        await late.aclose()
     assert server.is_alive()
     done_serving.set()
     server.join(timeout=5)
@@ -467,7 +510,7 @@ async def test_a_hung_rank_fails_its_requests_is_restarted_and_holds_up_no_new_d
                 )
                 assert back.data_parallel_rank == victim
         finally:
-            await newcomer.shutdown()
+            await newcomer.aclose()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)

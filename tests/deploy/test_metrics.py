@@ -11,6 +11,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.client.outputs import RequestMetrics
+from shoal.client.routing import RoutingStats
 from shoal.deploy.metrics import ServerMetrics
 from shoal.engine.protocol import SchedulerStats
 
@@ -134,3 +135,18 @@ def test_the_dashboard_asks_only_for_published_series() -> None:
     assert wanted and wanted <= published, wanted - published
     assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds_bucket"} <= wanted
     assert {"shoal:scale_events_total", "shoal:data_parallel_size"} <= wanted
+
+
+def test_routing_series_come_from_the_router() -> None:
+    routing = RoutingStats(decisions={"cache": 5, "load": 2}, predicted_hit_tokens=640)
+    routing.actual_hit_tokens = 624
+    metrics = ServerMetrics("m", dict, lambda: routing)
+    samples = _samples(metrics)
+    model = (("model_name", "m"),)
+    assert samples[("shoal:routing_decisions_total", (*model, ("reason", "cache")))] == 5
+    assert samples[("shoal:routing_decisions_total", (*model, ("reason", "load")))] == 2
+    assert samples[("shoal:routing_decisions_total", (*model, ("reason", "session")))] == 0
+    assert samples[("shoal:routing_predicted_hit_tokens_total", model)] == 640
+    assert samples[("shoal:routing_actual_hit_tokens_total", model)] == 624
+    # One local engine routes nothing: no routing series at all.
+    assert not any(name.startswith("shoal:routing") for name, _ in _samples(_make()))

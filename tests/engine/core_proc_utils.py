@@ -166,10 +166,18 @@ class RawPeer(WirePeer):
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
 
     def hello(
-        self, client_index: int | None = None, protocol_version: int | None = None
+        self,
+        client_index: int | None = None,
+        protocol_version: int | None = None,
+        wants_kv_events: bool = False,
     ) -> EngineCoreOutputs:
         index = self.client_index if client_index is None else client_index
-        hello = EngineHello(index, self.output_address, call_id=uuid.uuid4().int >> 65)
+        hello = EngineHello(
+            index,
+            self.output_address,
+            call_id=uuid.uuid4().int >> 65,
+            wants_kv_events=wants_kv_events,
+        )
         if protocol_version is not None:
             hello.protocol_version = protocol_version
         self.send_typed(EngineCoreRequestType.HELLO, hello)
