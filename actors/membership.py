@@ -7,9 +7,12 @@ knowing anything of the actor that keeps it (`actors/registry.py`).
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.curve import CurveKeyPair
 from shoal.engine.protocol import EngineEndpoint
 
 
@@ -39,10 +42,32 @@ class RankInfo:
     endpoint: EngineEndpoint | None = None
     node_ip: str = ""
     changed_at: float = 0.0
+    # The digest of the token its engine actor registers with (`registration_token`): a
+    # registration without that token is refused. Empty: the rank was planned without one.
+    registration_digest: bytes = b""
 
     @property
     def is_routable(self) -> bool:
         return self.state == RankState.READY and self.endpoint is not None
+
+    def admits_registration(self, token: bytes) -> bool:
+        """Whether `token` is the one this rank's own actor registers with."""
+        if not self.registration_digest:
+            return True
+        return hmac.compare_digest(registration_digest(token), self.registration_digest)
+
+
+def registration_token(rank_keys: CurveKeyPair) -> bytes:
+    """The token a rank's engine actor registers with: derived from its CURVE secret, which
+    only the launcher and that actor (through its constructor's arguments) hold, so an actor
+    the cluster did not start cannot register as the rank, and a restarted one still can."""
+    return hashlib.blake2b(rank_keys.secret, person=b"shoal-register").digest()
+
+
+def registration_digest(token: bytes) -> bytes:
+    """What the registry keeps of a registration token (the membership is read by every
+    client, so it never holds the token itself)."""
+    return hashlib.sha256(token).digest()
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,9 @@ async def generate_fan_out(
 
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params_list)]
     latest: list[RequestOutput | None] = [None] * len(tasks)
+    # Counted as outputs arrive, so each output costs O(1), not O(n): a request's cost stays
+    # linear in n.
+    num_started = num_finished = 0
     try:
         remaining = len(tasks)
         while remaining:
@@ -92,12 +95,13 @@ async def generate_fan_out(
                 continue
             if isinstance(item, BaseException):
                 raise item
-            latest[index] = item
+            previous, latest[index] = latest[index], item
+            num_started += previous is None
+            num_finished += item.finished and not (previous is not None and previous.finished)
             kind = params.output_kind
             if kind == RequestOutputKind.DELTA:
-                finished = all(o is not None and o.finished for o in latest)
-                yield _with_index(request_id, item, index, finished)
-            elif kind == RequestOutputKind.CUMULATIVE and all(o is not None for o in latest):
+                yield _with_index(request_id, item, index, num_finished == len(latest))
+            elif kind == RequestOutputKind.CUMULATIVE and num_started == len(latest):
                 yield merge_outputs(request_id, _known(latest))
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             yield merge_outputs(request_id, _known(latest))

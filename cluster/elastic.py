@@ -41,6 +41,7 @@ from shoal.cluster.launch import (
     add_ranks,
     remove_ranks,
 )
+from shoal.cluster.placement import live_placement_group_names, placement_group_name
 from shoal.engine.config import EngineConfig
 from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
 from shoal.engine.errors import ModelLoadError
@@ -91,6 +92,7 @@ def scale(
     owner: str = "",
     ready_timeout_s: float = READY_TIMEOUT_S,
     switch_timeout_s: float = SWITCH_TIMEOUT_S,
+    max_size: int | None = None,
 ) -> ScaleReport:
     """Resizes the cluster to `new_size` ranks while it serves (blocks until done).
 
@@ -100,6 +102,8 @@ def scale(
         owner: who asks (shown by `shoal status` while it runs).
         ready_timeout_s: how long new ranks may take to be placed and start.
         switch_timeout_s: how long the new set may take to form at the switch.
+        max_size: the most ranks allowed; up to it a resize may wait for nodes an autoscaler
+            adds. Without it, a size is refused unless the live nodes can hold it.
 
     New ranks are started as the launch started its ranks (`LaunchOptions`: what each
     reserves, how they are placed, the bind address, detached or not), by the cluster's owner,
@@ -109,13 +113,16 @@ def scale(
         The resize's report (its outcome "committed", or "unchanged" at the same size).
 
     Raises:
-        ValueError: a size the model cannot be served at (checked before anything starts).
+        ValueError: a size the model cannot be served at, or more ranks than the Ray cluster
+            can place (above `max_size`, when given): checked before anything starts.
         ScaleInProgressError: another resize holds the cluster's scale lock.
         ScaleError: the resize failed and was rolled back.
     """
     membership = handle.membership()
     config = membership.config
     _check_size(config, new_size)
+    if new_size > len(membership.ranks):
+        _check_capacity(handle, new_size, max_size)
     start = time.monotonic()
     epoch, from_size = ray.get(handle.registry.begin_scale.remote(owner, new_size))
     report = ScaleReport(epoch, from_size, new_size, "unchanged")
@@ -164,6 +171,21 @@ def scale(
         report.as_dict()["phases"],
     )
     return report
+
+
+def _check_capacity(handle: ClusterHandle, new_size: int, max_size: int | None) -> None:
+    """Refuses, before anything is created, a size above `max_size` or above what the Ray
+    cluster's live nodes can hold (at what each rank reserves); with `max_size`, sizes up to
+    it may wait for nodes an autoscaler adds."""
+    if max_size is not None and new_size > max_size:
+        raise ValueError(f"{new_size} ranks exceed the configured maximum of {max_size}")
+    resources = LaunchOptions.of(handle).resources
+    capacity = sum(resources.fits_on(n["Resources"]) for n in ray.nodes() if n.get("Alive"))
+    if new_size > capacity and (max_size is None or new_size > max_size):
+        raise ValueError(
+            f"the Ray cluster's nodes hold {capacity} ranks of {resources.bundle()} each, "
+            f"not {new_size}"
+        )
 
 
 def _check_size(config: EngineConfig, new_size: int) -> None:
@@ -380,10 +402,25 @@ class _Resize:
         for rank in self.prepared:
             _quietly(self.handle.engine(rank).cancel_scale, self.epoch)
         if self.new_ranks:
-            remove_ranks(self.handle, self.new_ranks)
+            remove_ranks(self.handle, self._created_ranks())
         for rank in self.leaving:
             _quietly(self.registry.set_rank_ready, rank)
         del error  # the caller reports it
+
+    def _created_ranks(self) -> list[int]:
+        """The new ranks that got a placement group, a registry entry or an actor: what a
+        rollback undoes, so its work follows what was made, not what was asked for."""
+        try:
+            groups = set(live_placement_group_names(self.handle.namespace))
+            known = set(self.handle.membership().ranks) | set(self.handle.engines)
+        except Exception as e:  # the registry restarts: undo every rank asked for
+            logger.warning("resize %d: %s", self.epoch, e)
+            return self.new_ranks
+        return [
+            rank
+            for rank in self.new_ranks
+            if rank in known or placement_group_name(self.handle.namespace, rank) in groups
+        ]
 
 
 def _quietly(method: Any, *args: Any) -> None:

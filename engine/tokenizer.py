@@ -18,6 +18,12 @@ from shoal.engine.loader import is_gguf_path
 from shoal.engine.loader.gguf_tokenizer import load_gguf_tokenizer
 from shoal.engine.loader.hf_config import read_json
 
+# Inputs from this size on are tokenized by the batch calls, which release the GIL: a thread
+# tokenizing a long text then leaves the others (an event loop) running. Shorter ones take
+# the single calls, which cost less.
+_LONG_TEXT = 16384
+_LONG_IDS = 4096
+
 
 class Tokenizer:
     """Text <-> token ids for one model.
@@ -64,10 +70,11 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS is added only if the model asks for it."""
+        """Token ids of `text`; BOS is added only if the model asks for it. Safe to call off
+        the event loop: the batch call releases the GIL while it tokenizes."""
         if self.add_bos_token is None:
-            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, add_special_tokens)
+        ids = self._encode(text, False)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids.insert(0, self.bos_token_id)
@@ -77,7 +84,19 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; incomplete UTF-8 at either end decodes to U+FFFD."""
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        ids = list(ids)
+        if len(ids) < _LONG_IDS:
+            return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        # The batch call releases the GIL (a single decode holds it throughout).
+        [text] = self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)
+        return str(text)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) < _LONG_TEXT:
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch call releases the GIL (a single encode holds it throughout).
+        [encoding] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary strings of `ids` (byte-level spelling for BPE)."""

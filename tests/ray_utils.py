@@ -66,10 +66,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ray_env() -> dict[str, str]:
-    """Environment for Ray CLI subprocesses: no auth, no usage stats, the repo importable."""
+def ray_env(auth_token: str | None = None) -> dict[str, str]:
+    """Environment for Ray CLI subprocesses: no auth (or Ray's token auth with `auth_token`),
+    no usage stats, the repo importable."""
     env = dict(os.environ)
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    if auth_token is not None:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=auth_token)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env.pop("RAY_ADDRESS", None)
     return env
@@ -85,7 +88,9 @@ class RayHead:
     process_group: int
 
 
-def start_ray_head(num_cpus: int = 4, timeout_s: float = 60.0) -> RayHead:
+def start_ray_head(
+    num_cpus: int = 4, timeout_s: float = 60.0, auth_token: str | None = None
+) -> RayHead:
     """Runs `ray start --head` on 127.0.0.1 with free ports; returns when the head is up.
 
     Raises:
@@ -110,14 +115,14 @@ def start_ray_head(num_cpus: int = 4, timeout_s: float = 60.0) -> RayHead:
     log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - lives as long as the head
     # `--block` keeps `ray start` as the parent of the group; a new session makes the group ours.
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(), start_new_session=True
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(auth_token), start_new_session=True
     )
     head = RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir, proc.pid)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
-        if _is_job_api_up(head.dashboard_url):
+        if _is_job_api_up(head.dashboard_url, auth_token):
             return head
         time.sleep(0.5)
     stop_ray_head(head)
@@ -183,11 +188,13 @@ def _group_with_descendants(pgid: int) -> list[psutil.Process]:
     return [p for pid, p in members.items() if pid != os.getpid()]
 
 
-def _is_job_api_up(dashboard_url: str) -> bool:
+def _is_job_api_up(dashboard_url: str, auth_token: str | None = None) -> bool:
     import urllib.request
 
+    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    request = urllib.request.Request(f"{dashboard_url}/api/version", headers=headers)
     try:
-        with urllib.request.urlopen(f"{dashboard_url}/api/version", timeout=2) as response:
+        with urllib.request.urlopen(request, timeout=2) as response:
             return bool(response.status == 200)
     except OSError:
         return False

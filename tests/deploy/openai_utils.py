@@ -49,14 +49,17 @@ class FrontEnd:
         return int(self.proc.returncode)
 
 
-def start_shoal(head: RayHead, args: Sequence[str], log: Path) -> FrontEnd:
-    """Runs `python -m shoal.deploy ARGS --port P` and waits until `/health` answers 200."""
+def start_shoal(
+    head: RayHead, args: Sequence[str], log: Path, auth_token: str | None = None
+) -> FrontEnd:
+    """Runs `python -m shoal.deploy ARGS --port P` (with Ray's `auth_token`, if given) and
+    waits until `/health` answers 200."""
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "shoal.deploy", *args, "--port", str(port),
              "--address", head.gcs_address],
-            stdout=out, stderr=subprocess.STDOUT, env=ray_env(), cwd=REPO_ROOT,
+            stdout=out, stderr=subprocess.STDOUT, env=ray_env(auth_token), cwd=REPO_ROOT,
         )  # fmt: skip
     front_end = FrontEnd(proc, port, log)
     deadline = time.monotonic() + READY_TIMEOUT_S

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.engine_core import EngineCore
+from shoal.engine.engine_core import MAX_REQUEST_ID_CHARS, EngineCore
 from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from tests.factories import make_tiny_checkpoint
 
@@ -59,6 +61,19 @@ def test_invalid_requests_become_error_outputs_for_their_client(core: EngineCore
         o for o in outputs if o.request_id == "ok" and o.finish_reason == FinishReason.LENGTH
     ]
     assert len(finished_ok) == 1
+
+
+def test_a_request_id_past_the_bound_is_refused_and_logged_cut_short(
+    core: EngineCore, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = "x" * 1_000_000
+    with caplog.at_level(logging.INFO, logger="shoal.engine.engine_core"):
+        core.add_request(_request(huge, client_index=2, prompt_token_ids=[]))
+        core.add_request(_request("y" * MAX_REQUEST_ID_CHARS, client_index=2))
+    outputs = {o.request_id: o for f in _run(core)[2] for o in f.outputs if o.finished}
+    assert f"longer than {MAX_REQUEST_ID_CHARS}" in (outputs[huge].error_message or "")
+    assert outputs["y" * MAX_REQUEST_ID_CHARS].finish_reason == FinishReason.LENGTH
+    assert len(caplog.text) < 1000 and "(1000000 chars)" in caplog.text
 
 
 def test_abort_is_limited_to_the_owning_client(core: EngineCore) -> None:

@@ -106,6 +106,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "api-key-existing-secret": {
         "server": {"apiKey": {"existingSecret": "prod-keys", "secretKey": "openai"}},
     },
+    "network-policy": {
+        "rayAuth": {"secretName": "ray-token"},
+        "networkPolicy": {
+            "enabled": True,
+            "httpFrom": [{"namespaceSelector": {"matchLabels": {"name": "gateway"}}}],
+        },
+    },
 }
 
 

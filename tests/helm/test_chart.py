@@ -286,6 +286,15 @@ def test_the_model_volume_is_mounted_on_every_worker_and_named_by_model(
     assert argv[argv.index("--model") + 1] == model
 
 
+def test_with_the_autoscaler_resizes_may_reach_the_groups_at_max_replicas() -> None:
+    argv = render("autoscaling").serve_argv()  # up to 8 pods of one GPU, a rank each
+    assert argv[argv.index("--max-data-parallel-size") + 1] == "8"
+    two_groups = {**OVERRIDES["two-worker-groups"], "head": {"enableInTreeAutoscaling": True}}
+    argv = render_values(two_groups).serve_argv()  # (1 x 4 + 2 x 4 GPUs) / 2 per rank
+    assert argv[argv.index("--max-data-parallel-size") + 1] == "6"
+    assert "--max-data-parallel-size" not in render("defaults").serve_argv()
+
+
 def test_autoscaling_turns_on_kuberays_in_tree_autoscaler() -> None:
     spec = render("autoscaling").raycluster["spec"]
     assert spec["enableInTreeAutoscaling"] is True
@@ -339,6 +348,34 @@ def test_api_key_reaches_shoal_from_a_secret_never_on_the_command_line() -> None
         "key": "openai",
     }
     assert "env" not in render("defaults").head_container
+
+
+# --- the Ray trust boundary: token auth, the dashboard, the NetworkPolicy -------------------
+
+
+def test_ray_token_auth_is_on_and_the_dashboard_stays_inside_the_pod() -> None:
+    defaults = render("defaults")
+    assert defaults.raycluster["spec"]["authOptions"] == {"mode": "token"}
+    params = defaults.raycluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert params["dashboard-host"] == "127.0.0.1"
+    service_ports = {p["port"] for p in defaults.one("Service")["spec"]["ports"]}
+    assert 8265 not in service_ports and 6379 not in service_ports
+    assert defaults.of_kind("NetworkPolicy") == []
+    named = render("network-policy").raycluster["spec"]["authOptions"]
+    assert named == {"mode": "token", "secretName": "ray-token"}
+    disabled = render_values({"rayAuth": {"mode": "disabled"}})
+    assert "authOptions" not in disabled.raycluster["spec"]
+
+
+def test_the_network_policy_admits_only_the_openai_and_metrics_ports_from_outside() -> None:
+    policy = render("network-policy").one("NetworkPolicy")["spec"]
+    release_pods = {"matchLabels": {"ray.io/cluster": FULLNAME}}
+    assert policy["podSelector"] == release_pods and policy["policyTypes"] == ["Ingress"]
+    inside, http, metrics = policy["ingress"]
+    assert inside == {"from": [{"podSelector": release_pods}]}  # every port, own pods only
+    assert http["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert http["from"] == [{"namespaceSelector": {"matchLabels": {"name": "gateway"}}}]
+    assert metrics == {"ports": [{"port": 8080, "protocol": "TCP"}]}
 
 
 # --- the `shoal serve` command line ---------------------------------------------------------

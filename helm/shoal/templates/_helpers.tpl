@@ -117,8 +117,36 @@ same meaning that `shoal serve --help` lists.
 {{- $args = concat $args (list "--max-model-len" (toString (int $m.maxModelLen))) }}
 {{- end }}
 {{- $args = concat $args (list "--dtype" $m.dtype) }}
+{{- with include "shoal.autoscaledMaxRanks" . }}
+{{- $args = concat $args (list "--max-data-parallel-size" .) }}
+{{- end }}
 {{- $args = concat $args $m.extraArgs }}
 {{- toJson $args }}
+{{- end }}
+
+{{/*
+With the autoscaler on, the most ranks the worker groups hold at maxReplicas: a resize
+(`POST /scale_elastic_ep`) up to it may wait for the pods the autoscaler adds; past it, it is
+refused at once. Empty without the autoscaler (then a resize fits the live nodes).
+*/}}
+{{- define "shoal.autoscaledMaxRanks" -}}
+{{- $perRank := float64 .Values.modelSpec.gpusPerRank }}
+{{- if and .Values.head.enableInTreeAutoscaling (gt $perRank 0.0) }}
+{{- $fit := 0 }}
+{{- $groups := list }}
+{{- if not .Values.worker.disabled }}
+{{- $groups = append $groups .Values.worker }}
+{{- end }}
+{{- range $name, $group := .Values.additionalWorkerGroups }}
+{{- if not $group.disabled }}
+{{- $groups = append $groups $group }}
+{{- end }}
+{{- end }}
+{{- range $groups }}
+{{- $fit = add $fit (mul (int .maxReplicas) (int (floor (divf (float64 .gpus) $perRank)))) }}
+{{- end }}
+{{- $fit }}
+{{- end }}
 {{- end }}
 
 {{/* One word for bash, single-quoted unless it is plainly safe. */}}
