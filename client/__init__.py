@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from shoal.client.async_llm import AsyncLLM
     from shoal.client.llm import LLM
     from shoal.client.outputs import CompletionOutput, RequestOutput
-    from shoal.engine.protocol import SamplingParams
+    from shoal.engine.protocol import SamplingParams, StructuredOutputsParams
 
 _PUBLIC = {
     "AsyncLLM": "shoal.client.async_llm",
@@ -21,9 +21,17 @@ _PUBLIC = {
     "CompletionOutput": "shoal.client.outputs",
     "RequestOutput": "shoal.client.outputs",
     "SamplingParams": "shoal.engine.protocol",
+    "StructuredOutputsParams": "shoal.engine.protocol",
 }
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

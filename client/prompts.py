@@ -41,14 +41,29 @@ def chat_prompt(
     messages: Sequence[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One conversation as a prompt dict, rendered with the model's chat template.
 
     The template writes whatever special tokens the model wants (BOS included), so the text is
     tokenized without adding any, as vLLM does for chat.
 
+    Args:
+        tools: OpenAI-style tool definitions, the template's `tools` variable.
+        chat_template_kwargs: more variables for the template (e.g. `enable_thinking`).
+
     Raises:
         ValueError: the model has no chat template, or the template raised.
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    variables = {
+        k: v
+        for k, v in (chat_template_kwargs or {}).items()
+        if k not in ("messages", "add_generation_prompt")
+    }
+    if tools is not None:
+        variables["tools"] = list(tools)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **variables
+    )
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

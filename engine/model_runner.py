@@ -9,27 +9,26 @@ scheduler owns all state changes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
 from shoal.engine.attention import (
+    AttentionBatch,
     AttentionMetadata,
-    PrefillMode,
-    build_attention_metadata,
-    default_prefill_mode,
-    token_positions,
+    select_attention_backend,
 )
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.expert_parallel import ExpertParallel
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.models import LlamaForCausalLM, get_model_class
 from shoal.engine.models.layers import can_pack_weights
-from shoal.engine.paged_attention_kernel import PagedDecodeKernel, is_supported, load_decode_kernel
 from shoal.engine.quant_matmul_kernel import QuantizedWeight, load_quant_kernel
 from shoal.engine.sampler import Sampler
 from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from shoal.engine.structured_output import fill_bitmasks
 
 _CPU_KV_CACHE_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,7 +71,7 @@ class ModelRunner:
     """Runs the model over scheduled steps on one device.
 
     Args:
-        model_config: dtype choice.
+        model_config: dtype and attention backend choice.
         cache_config: block size and the KV memory budget.
         scheduler_config: per-step token limit (sizes the persistent input buffers).
         arch: the checkpoint's architecture facts.
@@ -103,20 +102,18 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.sampler = Sampler()
-        self.decode_kernel = self._decode_kernel()
-        # All prefill chunks of a step in one call: the C kernel on CPU, one padded SDPA on CUDA.
-        self.prefill_mode: PrefillMode = default_prefill_mode(self.device, self.decode_kernel)
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-grammar")
+        # Chosen once: the layers call it and never look at the device themselves.
+        self.attention_backend = select_attention_backend(
+            model_config.attention_backend,
+            device=self.device,
+            dtype=self.dtype,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+        )
         # Persistent host buffers: a step writes its inputs here instead of allocating.
         self._input_ids = np.zeros(scheduler_config.max_num_batched_tokens, dtype=np.int64)
-
-    def _decode_kernel(self) -> PagedDecodeKernel | None:
-        """The C decode kernel on CPU, when it handles this model; None keeps the torch path."""
-        arch = self.arch
-        if self.device.type != "cpu" or not is_supported(
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, self.dtype
-        ):
-            return None
-        return load_decode_kernel()
 
     def load_model(
         self,
@@ -141,6 +138,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             dtype=self.dtype,
             device=self.device,
+            attention_backend=self.attention_backend,
             **extra,
         )
         model.load_weights(weights)
@@ -225,15 +223,22 @@ class ModelRunner:
         batch = _order_batch(scheduler_output.scheduled)
         with record_function("shoal::prepare_inputs"):
             input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
+        samplers = [s.request for s in batch if s.samples]
+        # Structured outputs: the grammars' masks are computed (without the GIL) while the
+        # forward pass runs; nothing changes a grammar's state before the sampler reads it.
+        grammars = [g for r in samplers if (g := r.grammar) is not None]
+        bitmask = self._grammar_pool.submit(fill_bitmasks, grammars) if grammars else None
         hidden = self.model(input_ids, positions, meta)
         output = ModelRunnerOutput()
         if not sample_rows:
             return output
         with record_function("shoal::sample"):
-            samplers = [s.request for s in batch if s.samples]
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-            sampled = self.sampler(logits, samplers)
+            if bitmask is None:
+                sampled = self.sampler(logits, samplers)
+            else:
+                sampled = self.sampler(logits, samplers, grammar_bitmask=bitmask.result())
         for request, token, logprobs in zip(
             samplers, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -266,25 +271,19 @@ class ModelRunner:
                 s.start : s.start + s.num_new_tokens
             ]
             offset += s.num_new_tokens
-        block_table = _block_table(batch, (starts + num_new - 1) // self.block_size + 1)
-        req_of_token, positions = token_positions(starts, num_new)
-        meta = build_attention_metadata(
+        attn_batch = AttentionBatch(
             starts=starts,
             num_new_tokens=num_new,
-            req_of_token=req_of_token,
-            positions=positions,
-            block_table=block_table,
+            block_table=_block_table(batch, (starts + num_new - 1) // self.block_size + 1),
             num_decodes=num_decodes,
             block_size=self.block_size,
-            dtype=self.dtype,
-            device=self.device,
-            decode_kernel=self.decode_kernel,
-            prefill_mode=self.prefill_mode,
         )
+        meta = self.attention_backend.build_metadata(attn_batch, self.device)
         ends = np.cumsum(num_new)
         sample_rows = [int(ends[i]) - 1 for i, s in enumerate(batch) if s.samples]
         input_ids = torch.from_numpy(ids[:num_tokens]).to(self.device, non_blocking=True)
-        return input_ids, torch.from_numpy(positions).to(self.device), meta, sample_rows
+        positions = torch.from_numpy(attn_batch.positions).to(self.device)
+        return input_ids, positions, meta, sample_rows
 
 
 def _order_batch(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

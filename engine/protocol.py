@@ -94,6 +94,43 @@ _FLOAT_FIELDS = (
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs")
 
 
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on a request's output; names follow vLLM's `StructuredOutputsParams`.
+
+    Exactly one kind is set. The engine compiles it into a grammar over the model's vocabulary
+    (`shoal.engine.structured_output`) and masks every sampling step with it; a constraint
+    that does not compile fails that request alone, with the compiler's message.
+
+    Raises:
+        ValueError: no kind, or more than one, is set (msgspec.ValidationError when decoded).
+    """
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
+    json_object: bool = False  # any JSON object
+    # JSON: allow whitespace between tokens (the compact form is the default).
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            found = ", ".join(kinds) or "none"
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                f"json_object; got {found}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must not be empty")
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """How to sample one request; names and defaults follow vLLM's `SamplingParams`.
 
@@ -125,6 +162,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Sequences to return for the prompt. The client fans a request with n > 1 out to n engine
     # requests (`shoal.client.fan_out`); an engine only ever sees n == 1.
     n: int = 1
+    # Constrains the output to a JSON schema, regex, choice or grammar, masked on the engine.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +200,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.__post_init__()  # a decoded frame's, checked again
 
     @property
     def is_greedy(self) -> bool:
@@ -241,6 +282,30 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions_total: int = 0
     num_prompt_tokens_total: int = 0  # prompt tokens computed (recompute included)
     num_generation_tokens_total: int = 0
+    num_cached_blocks: int = 0  # blocks in the prefix cache (owned or evictable)
+
+
+class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One turn's prefix-cache changes of an engine, for the clients' routing indexes.
+
+    Keys are the 64-bit routing keys of chained block hashes (`shoal.engine.block_hash`).
+    Batches are numbered 1, 2, ... per engine incarnation; the protocol (gaps, overflow,
+    snapshots) is described in `shoal.engine.kv_events` and `shoal.client.kv_index`.
+    """
+
+    seq: int
+    stored: list[int] = msgspec.field(default_factory=list)  # blocks that entered the cache
+    removed: list[int] = msgspec.field(default_factory=list)  # blocks that left it
+    # Too many changes for one batch: no keys, and every client must take a snapshot.
+    is_overflow: bool = False
+
+
+class KVCacheSnapshot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An engine's whole prefix cache as routing keys, as of KV-events batch `seq`."""
+
+    seq: int
+    block_keys: list[int] = msgspec.field(default_factory=list)
+    block_size: int = 0
 
 
 class UtilityResult(msgspec.Struct, array_like=True, gc=False):
@@ -273,6 +338,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # ADDs of this client the engine had taken in when `scheduler_stats` was measured: lets the
     # client tell which of its sends those stats already include.
     requests_seen: int = 0
+    # The engine's prefix-cache changes since the previous batch (`shoal.engine.kv_events`).
+    kv_events: KVCacheEvents | None = None
 
 
 class EngineHello(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -286,6 +353,8 @@ class EngineHello(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     output_address: str
     call_id: int
     protocol_version: int = PROTOCOL_VERSION
+    # Send this client the engine's KV events (`shoal.engine.kv_events`), for routing by cache.
+    wants_kv_events: bool = False
 
 
 class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shoal.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,10 @@ class Request:
     in `all_token_ids` with nothing computed, so the scheduler prefills prompt + output (prefix
     cache hits included) before it samples, and max_tokens, min_tokens, penalties and seeded
     draws count that output as produced. Only tokens sampled here are ever emitted.
+
+    A constrained request (`SamplingParams.structured_outputs`) holds its `grammar`, which
+    consumes every output token as it is appended (resumed ones included), so its state always
+    matches `output_token_ids`; a preemption keeps the output, and so the state.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error_message: str | None = None
+        self.grammar: RequestGrammar | None = None
 
     @classmethod
     def from_engine_core_request(
@@ -120,6 +129,19 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error_message = f"token {token_id} broke the output's grammar"
+
+    def attach_grammar(self, grammar: RequestGrammar) -> None:
+        """Constrains the output from now on, after the grammar consumed the output so far.
+
+        Raises:
+            ValueError: the output so far (a resumed request's) does not fit the grammar.
+        """
+        for token_id in self.output_token_ids:
+            if not grammar.accept(token_id):
+                raise ValueError(f"the resumed output does not fit the grammar: {grammar.error}")
+        self.grammar = grammar
 
     def __repr__(self) -> str:
         return (

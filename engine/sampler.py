@@ -1,9 +1,10 @@
 """Batched next-token sampling over the rows of requests that sample this step.
 
-Order per row, as in vLLM: raw logprobs (if asked) -> min_tokens masking -> penalties
-(repetition, frequency, presence) -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
-draw. A seeded request's draw for output position i comes from a
-generator seeded by (seed, i) alone, so its tokens do not depend on batching or preemption.
+Order per row, as in vLLM: the grammar's mask (structured outputs) -> logprobs (if asked) ->
+min_tokens masking -> penalties (repetition, frequency, presence) -> greedy argmax, or
+temperature -> min-p -> top-k -> top-p -> draw. A seeded request's draw for output position i
+comes from a generator seeded by (seed, i) alone, so its tokens do not depend on batching or
+preemption.
 Knows nothing about the model or the scheduler; it only reads requests.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shoal.engine.protocol import SamplingParams, TokenLogprobs
 from shoal.engine.request import Request
+from shoal.engine.structured_output import fill_bitmasks
 
 _MASK64 = (1 << 64) - 1
 # Top-p looks for the nucleus among this many most likely tokens first, then among the wider
@@ -33,18 +36,26 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a [num_rows, vocab] logits matrix."""
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        grammar_bitmask: np.ndarray | None = None,
+    ) -> SamplerOutput:
         """Samples one token for each request.
 
         Args:
             logits: [len(requests), vocab] raw logits; modified in place.
             requests: the requests in row order.
+            grammar_bitmask: the allowed-token bitmask of each request with a grammar, in row
+                order (`fill_bitmasks`); computed here when not given.
 
         Returns:
             The sampled token ids and, for requests with `logprobs` set, their logprobs.
         """
         assert logits.shape[0] == len(requests), "one logits row per request"
         logits = logits.float()
+        _apply_grammars(logits, requests, grammar_bitmask)
         params = [r.sampling_params for r in requests]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs of the raw distribution, before any masking or temperature (vLLM's default).
@@ -76,11 +87,37 @@ class Sampler:
         return SamplerOutput(tokens, logprobs)
 
 
+def _apply_grammars(
+    logits: torch.Tensor, requests: Sequence[Request], bitmask: np.ndarray | None
+) -> None:
+    """Sets the logits of the ids each request's grammar does not allow next to -inf."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return
+    if bitmask is None:
+        bitmask = fill_bitmasks([g for r in requests if (g := r.grammar) is not None])
+    assert bitmask.shape[0] == len(rows), "one bitmask row per constrained request"
+    vocab = logits.shape[1]
+    # Little-endian words: byte k's bit j is id 8k + j, so unpacking the bytes in bit order
+    # lays the ids out in order (a 0/1 byte per id, viewed as bool without a copy).
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device)
+    num_ids = allowed.shape[1]  # ids past the bitmask (none when it covers the vocabulary)
+    if len(rows) == len(requests):
+        logits[:, :num_ids].masked_fill_(~allowed, float("-inf"))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)
+    masked[:, :num_ids].masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)
+
+
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     vocab = logits.shape[1]
     for row, request in enumerate(requests):
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        # A grammar decides when the output may end: masking EOS could leave nothing allowed.
+        if request.num_output_tokens >= params.min_tokens or request.grammar is not None:
             continue
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:

@@ -204,6 +204,7 @@ class Scheduler:
             num_preemptions_total=self._num_preemptions_total,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_generation_tokens_total=self._num_generation_tokens_total,
+            num_cached_blocks=kv.block_pool.num_cached_blocks,
         )
 
     # --- internals -----------------------------------------------------------------------------
@@ -300,6 +301,7 @@ class Scheduler:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            error_message=request.error_message,
             queue_time_s=self._queue_time_s(request) if request.num_output_tokens == 1 else None,
         )
 
@@ -311,6 +313,11 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None and request.error_message is not None:
+            # Its grammar refused the token (a mask lets through only what the grammar takes).
+            return RequestStatus.FINISHED_ERROR
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the constrained output is complete
         # Stop and EOS tokens are masked for the first min_tokens outputs, as in the sampler.
         if request.num_output_tokens > params.min_tokens:
             if token_id in params.stop_token_ids:

@@ -17,11 +17,19 @@ if TYPE_CHECKING:
     from shoal.client.async_llm import AsyncLLM
     from shoal.client.llm import LLM
     from shoal.client.outputs import CompletionOutput, RequestOutput
-    from shoal.engine.protocol import SamplingParams
+    from shoal.engine.protocol import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
