@@ -21,6 +21,7 @@ from shoal.client.fan_out import generate_fan_out
 from shoal.client.output_processor import OutputProcessor, RequestOutputCollector
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, tokenize_prompt
+from shoal.client.routing import RequestRouter, RoutingStats
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import EngineCoreRequest, SamplingParams, SchedulerStats
@@ -56,7 +57,7 @@ class AsyncLLM:
         address: str = "auto",
         host: str | None = None,
         name: str | None = None,
-        policy: str = "least_loaded",
+        policy: str = "cache-aware",
         ready_timeout_s: float = 0.0,
     ) -> AsyncLLM:
         """Attaches to a running shoal cluster (started by `shoal serve` or `shoal.cluster.launch`).
@@ -66,7 +67,8 @@ class AsyncLLM:
             address: Ray address for `ray.init` when Ray is not initialized yet.
             host: this machine's address as the engines should reach it; default: Ray's node IP.
             name: how this client is listed by `shoal status`.
-            policy: "least_loaded", "queue_length" or "round_robin".
+            policy: the routing policy: "cache-aware" (prefix cache weighed against load),
+                "least-loaded", "round-robin" or "queue-length" (vLLM's score).
             ready_timeout_s: how long to wait for a cluster that is still being launched (by a
                 `shoal serve` job just submitted, say) until one of its ranks serves. 0: no
                 wait.
@@ -88,7 +90,7 @@ class AsyncLLM:
         try:
             tokenizer = await link.load_tokenizer()
         except BaseException:
-            await link.shutdown()
+            await link.aclose()
             raise
         self = cls.__new__(cls)
         self._setup(link.membership.config, tokenizer, link.client, link)
@@ -118,6 +120,7 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         data_parallel_rank: int | None = None,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams one request's outputs until it finishes.
 
@@ -129,6 +132,9 @@ class AsyncLLM:
             request_id: default a fresh uuid; unique among this client's live requests
                 (other drivers of a cluster may use the same ids).
             data_parallel_rank: pin the request to one rank (cluster mode).
+            session_id: keep the requests of this session (a conversation, a user) on one
+                rank while that rank's load allows, so each turn finds the previous turns in
+                its prefix cache (cluster mode); None: routed by cache and load alone.
 
         Raises:
             RequestError: the engine rejected the request (the message says why).
@@ -139,7 +145,7 @@ class AsyncLLM:
         if params.n > 1:  # n engine requests, merged (`shoal.client.fan_out`)
             children = generate_fan_out(
                 lambda child, child_id: self._generate_one(
-                    prompt, child, child_id, data_parallel_rank
+                    prompt, child, child_id, data_parallel_rank, session_id
                 ),
                 params,
                 external_id,
@@ -149,7 +155,7 @@ class AsyncLLM:
                     yield merged
             return
         # aclosing: a consumer that stops early aborts the engine request now, not at GC.
-        one = self._generate_one(prompt, params, external_id, data_parallel_rank)
+        one = self._generate_one(prompt, params, external_id, data_parallel_rank, session_id)
         async with contextlib.aclosing(one) as outputs:
             async for output in outputs:
                 yield output
@@ -160,6 +166,7 @@ class AsyncLLM:
         params: SamplingParams,
         external_id: str,
         data_parallel_rank: int | None,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         self._check_loop()
         if self._dead_error is not None:
@@ -176,7 +183,7 @@ class AsyncLLM:
         state = self.output_processor.add_request(request, text, collector, external_id)
         self._ensure_output_handler()
         try:
-            await self.engine_core.add_request_async(request)
+            await self.engine_core.add_request_async(request, session_id=session_id)
         except BaseException:
             self.output_processor.remove_request(request.request_id)
             raise
@@ -284,6 +291,11 @@ class AsyncLLM:
         """Each rank's load as the coordinator last published it (empty for a local engine)."""
         return self.engine_core.latest_stats()
 
+    def routing_stats(self) -> RoutingStats | None:
+        """This client's routing totals (None for a local engine: nothing is routed)."""
+        router = getattr(self.engine_core, "router", None)
+        return router.stats if isinstance(router, RequestRouter) else None
+
     @property
     def max_model_len(self) -> int | None:
         """The context length the engines serve (as they said at HELLO), else the config's."""
@@ -331,9 +343,29 @@ class AsyncLLM:
         """Whether a resize of the attached cluster is in progress (False without one)."""
         return self._link is not None and await self._link.is_scaling()
 
-    async def shutdown(self) -> None:
-        """Ends every open stream, stops the output handler, detaches from the engines (and
-        from the cluster registry)."""
+    def shutdown(self) -> None:
+        """Closes everything now, as vLLM's `AsyncLLM.shutdown()`: a plain method, callable
+        with or without a running loop (from a coroutine, `await aclose()` is the graceful form).
+
+        Fails every open stream, stops the output handler, says GOODBYE to the engines (which
+        drops this client's requests there) and detaches from the cluster registry.
+        Idempotent.
+        """
+        pending = self.output_processor.request_ids()
+        if pending:
+            self.output_processor.fail_requests(pending, EngineDeadError("the client shut down"))
+        self._dead_error = EngineDeadError("the client shut down")
+        handler = self._output_handler
+        if handler is not None and not handler.done() and not handler.get_loop().is_closed():
+            handler.get_loop().call_soon_threadsafe(handler.cancel)
+        if self._link is not None:
+            self._link.shutdown()
+        else:
+            self.engine_core.shutdown()
+
+    async def aclose(self) -> None:
+        """`shutdown` from a coroutine: aborts this client's requests in the engines and waits
+        for the output handler to end before detaching."""
         handler = self._output_handler
         # From another loop (the first one has closed): its tasks are over, and detaching
         # (GOODBYE) aborts this client's requests in the engines anyway.
@@ -349,7 +381,7 @@ class AsyncLLM:
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
         if self._link is not None:
-            await self._link.shutdown()
+            await self._link.aclose()
         else:
             self.engine_core.shutdown()
 
@@ -357,4 +389,4 @@ class AsyncLLM:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
+        await self.aclose()

@@ -23,7 +23,7 @@ import ray
 from shoal.actors.membership import Membership, RankState
 from shoal.client.dp_client import DPLBAsyncMPClient
 from shoal.client.engine_client import EngineSetClient
-from shoal.client.lb_policy import POLICIES
+from shoal.client.lb_policy import make_policy
 from shoal.client.mp_client import EngineAttachError
 from shoal.cluster import elastic
 from shoal.cluster.elastic import ScaleReport
@@ -49,6 +49,8 @@ ATTACH_TIMEOUT_S = 10.0
 CONVERGE_TIMEOUT_S = 30.0
 # While waiting for a cluster to be launched or a rank to serve: how often to look.
 _READY_POLL_S = 0.2
+# How long a plain `shutdown` waits for the registry to note this client's departure.
+_DETACH_TIMEOUT_S = 5.0
 
 
 class ClusterLink:
@@ -86,12 +88,13 @@ class ClusterLink:
         address: str = "auto",
         host: str | None = None,
         name: str | None = None,
-        policy: str = "least_loaded",
+        policy: str = "cache-aware",
         ready_timeout_s: float = 0.0,
     ) -> ClusterLink:
         """Attaches a new `DPLBAsyncMPClient` to the cluster in `namespace`.
 
         Args:
+            policy: the routing policy's name (`shoal.client.lb_policy.make_policy`).
             ready_timeout_s: how long to wait for the cluster to be launched and for one of
                 its ranks to serve (a cluster that is still starting). 0: no wait.
 
@@ -100,8 +103,7 @@ class ClusterLink:
             TimeoutError: the cluster runs, but no rank served within `ready_timeout_s`.
             ValueError: unknown policy name.
         """
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+        routing_policy = make_policy(policy)
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         deadline = time.monotonic() + ready_timeout_s
@@ -126,7 +128,7 @@ class ClusterLink:
                 host=host or ray.util.get_node_ip_address(),
                 stats_address=membership.stats_publish_address,
                 stats_server_key=membership.coordinator_public_key,
-                policy=POLICIES[policy](),
+                policy=routing_policy,
                 hello_timeout_s=ATTACH_TIMEOUT_S,
                 curve_keys=keys,
             )
@@ -143,7 +145,7 @@ class ClusterLink:
             try:
                 await link._wait_until_serving(deadline)
             except BaseException:
-                await link.shutdown()
+                await link.aclose()
                 raise
         return link
 
@@ -211,9 +213,24 @@ class ClusterLink:
         status: dict[str, Any] = await self.registry.status.remote()
         return status.get("scaling") is not None
 
-    async def shutdown(self) -> None:
+    async def aclose(self) -> None:
         """`close`, then shuts the client down."""
         await self.close()
+        self.client.shutdown()
+
+    def shutdown(self) -> None:
+        """`aclose` without awaiting: from a plain method, with or without a running loop.
+
+        The watch is cancelled on its own loop's thread; detaching waits for the registry
+        at most `_DETACH_TIMEOUT_S` (the cluster may be gone).
+        """
+        for task in (self._task, *self._attaching.values()):
+            if task is not None and not task.done() and not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(
+                self.registry.detach_client.remote(self.client_index), timeout=_DETACH_TIMEOUT_S
+            )
         self.client.shutdown()
 
     async def close(self) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# `--attention-backend` choices, spelled as vLLM spells them (shoal.engine.attention.selector).
+ATTENTION_BACKENDS = ("CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN")
 
 
 # The offline `LLM`'s step budget, as vLLM's offline default on CPU: with every request queued
@@ -46,6 +48,27 @@ class ModelConfig:
     cpu_threads: int | None = field(
         default=None, metadata=_help("torch intra-op threads on CPU; default: torch's own")
     )
+    # vLLM's default; each logprob asked for costs a top-k over the vocabulary.
+    max_logprobs: int = field(
+        default=20, metadata=_help("the most logprobs a request may ask for per token")
+    )
+    attention_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            f"paged attention kernels, one of {', '.join(ATTENTION_BACKENDS)}; default: "
+            "CPU_ATTN on CPU, TRITON_ATTN on CUDA (TRITON_ATTN on CPU runs Triton's "
+            "interpreter: slow, for stepping through the GPU kernel)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must not be negative, got {self.max_logprobs}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; use one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,6 +151,10 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} is outside "

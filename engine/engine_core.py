@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.errors import ModelLoadError
 from shoal.engine.executor import Executor, make_executor
 from shoal.engine.loader import load_model_arch
 from shoal.engine.model_arch import ModelArch
@@ -21,18 +22,22 @@ from shoal.engine.protocol import (
     EngineCoreRequest,
     EngineFacts,
     FinishReason,
+    KVCacheEvents,
+    KVCacheSnapshot,
     SchedulerStats,
 )
 from shoal.engine.rate_limit import LogRateLimiter
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput
+from shoal.engine.structured_output import LazyGrammarCompiler
 
 logger = logging.getLogger(__name__)
 _duplicates = LogRateLimiter(logger)
 
-# vLLM's default cap on returned logprobs; computing more costs a top-k over the vocabulary.
-MAX_LOGPROBS = 20
+# A request id longer than this is refused; logs show at most `_LOGGED_ID_CHARS` of any id.
+MAX_REQUEST_ID_CHARS = 256
+_LOGGED_ID_CHARS = 64
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -79,6 +84,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self.eos_token_ids = self.arch.eos_token_ids
+        self.grammars = LazyGrammarCompiler(
+            config.model.tokenizer or path, self.arch.vocab_size, self.eos_token_ids
+        )
         # Error outputs of rejected requests, delivered with the next step.
         self._rejected: dict[int, list[EngineCoreOutput]] = {}
         # client index → ADDs taken in from that client (accepted or rejected), reported with
@@ -106,15 +114,21 @@ class EngineCore:
                 "duplicate-id",
                 "engine %d dropped an ADD whose request_id %r is live already",
                 self.engine_index,
-                request.request_id,
+                _loggable(request.request_id),
             )
             return
         error = self._validate(request)
         if error is not None:
-            logger.info("rejected request %r: %s", request.request_id, error)
+            logger.info("rejected request %r: %s", _loggable(request.request_id), error)
             self._reject(request.client_index, request.request_id, error)
             return
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.eos_token_ids))
+        engine_request = Request.from_engine_core_request(request, self.eos_token_ids)
+        error = self._attach_grammar(engine_request)
+        if error is not None:
+            logger.info("rejected request %r: %s", _loggable(request.request_id), error)
+            self._reject(request.client_index, request.request_id, error)
+            return
+        self.scheduler.add_request(engine_request)
 
     def abort_requests(self, request_ids: list[str], *, client_index: int | None = None) -> None:
         """Aborts requests in any state; with `client_index`, only that client's own."""
@@ -179,6 +193,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def get_kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every cached block's routing key, as of the KV-events batch it names
+        (`shoal.engine.kv_events`); pending changes are sealed into that batch first."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        seq = pool.kv_events.seal()
+        return KVCacheSnapshot(seq, pool.cached_routing_keys(), self.block_size)
+
+    def take_kv_events(self) -> list[KVCacheEvents]:
+        """The prefix-cache changes since the last call, as numbered batches."""
+        return self.scheduler.kv_cache_manager.block_pool.kv_events.take()
+
+    def has_kv_events(self) -> bool:
+        return self.scheduler.kv_cache_manager.block_pool.kv_events.has_pending()
+
     def echo(self, value: Any) -> Any:
         return value
 
@@ -215,6 +243,8 @@ class EngineCore:
     def _validate(self, request: EngineCoreRequest) -> str | None:
         if not request.request_id:
             return "request_id must not be empty"
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            return f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
         prompt = request.prompt_token_ids
         if not prompt:
             return "the prompt is empty"
@@ -231,8 +261,9 @@ class EngineCore:
             params.__post_init__()  # fields may have been changed after construction
         except ValueError as e:
             return str(e)
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            return f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}"
+        max_logprobs = min(self.config.model.max_logprobs, vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            return f"logprobs={params.logprobs} exceeds the maximum of {max_logprobs}"
         if any(t >= vocab_size for t in params.stop_token_ids):
             return f"stop_token_ids must be in [0, {vocab_size})"
         if request.resumed_output_token_ids:
@@ -264,6 +295,17 @@ class EngineCore:
             )
         return None
 
+    def _attach_grammar(self, request: Request) -> str | None:
+        """Compiles a constrained request's grammar; the error message if it cannot."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return None
+        try:
+            request.attach_grammar(self.grammars.get().compile(constraint))
+        except (ValueError, ModelLoadError) as e:  # RequestError is a ValueError
+            return str(e)
+        return None
+
     def _is_owned_by(self, request_id: str, client_index: int) -> bool:
         request = self.scheduler.get_request(request_id)
         return request is not None and request.client_index == client_index
@@ -273,3 +315,10 @@ class EngineCore:
             request_id=request_id, finish_reason=FinishReason.ERROR, error_message=message
         )
         self._rejected.setdefault(client_index, []).append(output)
+
+
+def _loggable(request_id: str) -> str:
+    """`request_id` cut to what a log line shows: a peer's 10 MB id costs the log 64 chars."""
+    if len(request_id) <= _LOGGED_ID_CHARS:
+        return request_id
+    return f"{request_id[:_LOGGED_ID_CHARS]}...({len(request_id)} chars)"
