@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import ray
 from ray.actor import ActorProxy
 
-from shoal.actors.membership import Membership
+from shoal.actors.membership import Membership, registration_token
 from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
 from shoal.engine.config import EngineConfig
@@ -93,8 +93,9 @@ class EngineCoreActor:
         identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
         # The rank's key pair (`shoal.engine.curve`): clients learn its public half from the
         # endpoint it registers.
+        own_keys = rank_keys or CurveKeyPair.generate()
         keys = EngineKeys(
-            rank_keys or CurveKeyPair.generate(),
+            own_keys,
             membership.client_keys,
             membership.coordinator_public_key,
         )
@@ -118,7 +119,11 @@ class EngineCoreActor:
         gc.freeze()
         self._busy_loop.start()
         try:
-            self.incarnation: int = ray.get(registry.register_engine.remote(self.endpoint, node_ip))
+            self.incarnation: int = ray.get(
+                registry.register_engine.remote(
+                    self.endpoint, node_ip, registration_token(own_keys)
+                )
+            )
             # Clients that attached while this rank was starting: from now on the registry
             # tells this actor of every new one.
             for client_index, public_key in ray.get(

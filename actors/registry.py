@@ -96,17 +96,29 @@ class RegistryActor(ResizeMethods):
     # --- membership ------------------------------------------------------------------------
 
     @ray.method
-    async def plan_rank(self, rank: int, actor_name: str, placement_group_name: str) -> int:
-        """Records a rank the cluster is creating (state STARTING).
+    async def plan_rank(
+        self,
+        rank: int,
+        actor_name: str,
+        placement_group_name: str,
+        registration_digest: bytes,
+    ) -> int:
+        """Records a rank the cluster is creating (state STARTING); only the actor holding
+        the token of `registration_digest` (`membership.registration_token`) may register it.
 
         Returns:
             The new epoch.
         """
-        self._set_rank(RankInfo(rank, RankState.STARTING, actor_name, placement_group_name))
+        names = (actor_name, placement_group_name)
+        self._set_rank(
+            RankInfo(rank, RankState.STARTING, *names, registration_digest=registration_digest)
+        )
         return self._bump()
 
     @ray.method
-    async def register_engine(self, endpoint: EngineEndpoint, node_ip: str) -> int:
+    async def register_engine(
+        self, endpoint: EngineEndpoint, node_ip: str, registration_token: bytes
+    ) -> int:
         """Called by an engine actor once its sockets are bound (again after every restart).
 
         The rank becomes READY (a LEAVING rank stays LEAVING, and a rank that an
@@ -118,11 +130,16 @@ class RegistryActor(ResizeMethods):
 
         Raises:
             KeyError: if the rank was never planned (or has been removed).
+            PermissionError: the token is not the one the rank's own actor holds (an actor
+                the cluster did not start): nothing changes, and the real actor can still
+                register.
         """
         rank = endpoint.engine_index
         if rank not in self._state.ranks:
             raise KeyError(f"rank {rank} is not planned in namespace {self.namespace!r}")
         info = self._state.ranks[rank]
+        if not info.admits_registration(registration_token):
+            raise PermissionError(f"rank {rank}: a registration its engine actor did not make")
         state = RankState.READY
         if info.state == RankState.LEAVING:
             state = RankState.LEAVING

@@ -157,7 +157,7 @@ async def _run(args: argparse.Namespace, checkpoint: str) -> None:
         _print(args, served, windows, resizes)
     finally:
         for d in drivers:
-            await d.shutdown()
+            await d.aclose()
         handle.shutdown()
 
 

@@ -371,7 +371,7 @@ async def shoal_streams(path: str, num_streams: int, num_runs: int) -> StreamRun
         freeze_startup_heap()
         runs = [await run_streams(stream, num_streams, f"run{r}") for r in range(num_runs)]
     finally:
-        await llm.shutdown()
+        await llm.aclose()
     return max(runs, key=lambda run: run.tokens_per_s)
 
 

@@ -39,7 +39,7 @@ from shoal.actors.engine_actor import (
     EngineCoreActor,
     engine_actor_name,
 )
-from shoal.actors.membership import Membership
+from shoal.actors.membership import Membership, registration_digest, registration_token
 from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
 from shoal.actors.owner import ClusterOwnerActor, OwnerHandle
 from shoal.actors.registry import STATE_KEY, RegistryActor, RegistryHandle
@@ -360,15 +360,19 @@ def add_ranks(
             f"{ready_timeout_s:.0f} s"
         )
     for rank, group in groups.items():
-        ray.get(
-            handle.registry.plan_rank.remote(
-                rank, engine_actor_name(rank), placement_group_name(handle.namespace, rank)
-            )
-        )
         # The rank's key pair, made here and kept in its constructor's arguments (a restarted
         # rank has the same one): the coordinator admits it before the engine first connects,
-        # since a connection refused at its handshake is not tried again.
+        # since a connection refused at its handshake is not tried again; and the registry
+        # takes registrations only with the token derived from it.
         rank_keys = CurveKeyPair.generate()
+        ray.get(
+            handle.registry.plan_rank.remote(
+                rank,
+                engine_actor_name(rank),
+                placement_group_name(handle.namespace, rank),
+                registration_digest(registration_token(rank_keys)),
+            )
+        )
         ray.get(handle.coordinator.admit_engine.remote(rank, rank_keys.public))
         handle.engines[rank] = _as_owner(
             handle,

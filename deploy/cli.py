@@ -1,7 +1,7 @@
 """The `shoal` command: serve a cluster, drive it, resize it, show its status, stop it, or run
 the demo.
 
-    shoal serve --model PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
+    shoal serve PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
     shoal api-server --namespace NAME [--host H] [--port P] [--api-key KEY]
     shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
     shoal scale --namespace NAME --data-parallel-size M [--switch-timeout-s S] [--json]
@@ -15,7 +15,6 @@ Every subcommand reaches Ray at --address (default "auto": RAY_ADDRESS or the lo
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -25,8 +24,10 @@ from typing import Any
 import ray
 
 from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, attach
-from shoal.deploy import demo, generate, scale, serve
+from shoal.deploy import demo, generate, ray_connection, scale, serve
+from shoal.deploy.flags import HelpFormatter
 from shoal.deploy.openai import server as api_server
+from shoal.deploy.status import show_status
 
 logger = logging.getLogger("shoal")
 
@@ -35,7 +36,9 @@ STOP_TIMEOUT_S = 60.0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="LLM serving on a Ray cluster.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser
+    )
     serve.add_serve_args(
         commands.add_parser("serve", help="launch a cluster and serve until stopped")
     )
@@ -45,13 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     status = commands.add_parser("status", help="ranks, their load, and attached clients")
-    serve.add_ray_args(status)
+    ray_connection.add_ray_args(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     scale.add_scale_args(
         commands.add_parser("scale", help="resize a running cluster while it serves")
     )
     stop = commands.add_parser("stop", help="tear the cluster down")
-    serve.add_ray_args(stop)
+    ray_connection.add_ray_args(stop)
     stop.add_argument(
         "--timeout",
         type=float,
@@ -63,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_demo_args(commands.add_parser("demo", help="a local two-rank cluster of SmolLM2"))
     return parser
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its `--help` shows every flag's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,68 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _attach(address: str, namespace: str) -> ClusterHandle:
     try:
-        serve.connect_ray(address, namespace, can_start_local=False)
+        ray_connection.connect_ray(address, namespace, can_start_local=False)
     except ConnectionError as e:
         raise ConnectionError(f"no Ray cluster at {address!r} ({e})") from e
     return attach(namespace)
-
-
-def show_status(handle: ClusterHandle, *, as_json: bool) -> int:
-    """Prints the cluster's ranks, their state and load, resizes, and the attached clients."""
-    status = handle.status()
-    if as_json:
-        print(json.dumps(status, indent=2, sort_keys=True))
-    else:
-        print(format_status(status))
-    return 0
-
-
-def format_status(status: dict[str, Any]) -> str:
-    """The human-readable `shoal status` table."""
-    lines = [
-        f"namespace {status['namespace']}  model {status['model']}  epoch {status['epoch']}",
-        f"served by {status['served_by'] or '-'}"
-        + ("  (detached)" if status["detached"] else "")
-        + ("  STOPPING" if status["stopping"] else ""),
-        "",
-        f"{'RANK':<5}{'STATE':<10}{'INC':<5}{'RUNNING':>8}{'WAITING':>8}{'KV USE':>8}"
-        f"{'STEPS':>8}  ADDRESS",
-    ]
-    for rank in status["ranks"]:
-        load = rank.get("load") or {}
-        kv = f"{100 * load['kv_cache_usage']:.1f}%" if load else "-"
-        lines.append(
-            f"{rank['rank']:<5}{rank['state']:<10}{rank['incarnation']:<5}"
-            f"{load.get('num_running_reqs', '-'):>8}{load.get('num_waiting_reqs', '-'):>8}"
-            f"{kv:>8}{load.get('step_counter', '-'):>8}  {rank['address'] or '-'}"
-        )
-    lines.append("")
-    lines += scale.scale_status_lines(status)
-    lines += _expert_parallel_lines(status.get("expert_parallel"))
-    clients = status["clients"]
-    lines.append(f"clients: {len(clients)}")
-    now = time.time()
-    for client in clients:
-        lines.append(
-            f"  {client['client_index']:<4}{client['name']}"
-            f"  (attached {now - client['attached_at']:.0f} s ago)"
-        )
-    return "\n".join(lines)
-
-
-def _expert_parallel_lines(expert_parallel: dict[str, Any] | None) -> list[str]:
-    """EP size, each rank's experts, and the DP wave (nothing for a dense cluster)."""
-    if expert_parallel is None:
-        return []
-    state = "running" if expert_parallel.get("running") else "paused"
-    lines = [
-        f"expert parallel: {expert_parallel['size']} ranks, "
-        f"{expert_parallel['num_experts']} experts; wave {expert_parallel.get('current_wave', 0)} "
-        f"{state}"
-    ]
-    for rank, experts in enumerate(expert_parallel["experts_per_rank"]):
-        lines.append(f"  rank {rank}: experts {', '.join(map(str, experts))}")
-    return [*lines, ""]
 
 
 def stop_cluster(handle: ClusterHandle, *, timeout_s: float) -> int:

@@ -25,6 +25,7 @@ from shoal.deploy.generate import (
     sampling_params_from_args,
     stream_prompts,
 )
+from shoal.deploy.status import format_status
 from shoal.engine.config import EngineConfig
 from shoal.engine.loader import smollm2_gguf_path
 
@@ -39,8 +40,10 @@ QUESTIONS = [
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-parallel-size", type=int, default=2)
-    parser.add_argument("--namespace", default="shoal-demo")
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=2, help="engine ranks of the demo cluster"
+    )
+    parser.add_argument("--namespace", default="shoal-demo", help="the demo cluster's namespace")
     add_sampling_args(parser)
     parser.set_defaults(chat=True, max_tokens=48)
 
@@ -79,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"cluster ready in {time.monotonic() - start:.1f} s", flush=True)
         asyncio.run(_drive(args.namespace, args))
-        from shoal.deploy.cli import format_status
-
         print("\n" + format_status(cluster.status()), flush=True)
     finally:
         cluster.shutdown()

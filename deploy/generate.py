@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, chat_prompt
+from shoal.deploy.ray_connection import add_ray_args, connect_ray
 
 
 @dataclass
@@ -32,9 +33,13 @@ class Answer:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of every prompt's draws (default: unseeded)"
+    )
     parser.add_argument(
         "--chat", action="store_true", help="wrap each prompt in the model's chat template"
     )
@@ -110,15 +115,13 @@ async def _run(args: argparse.Namespace) -> int:
             on_answer=None if args.json else print_answer,
         )
     finally:
-        await llm.shutdown()
+        await llm.aclose()
     if args.json:
         print(json.dumps([asdict(a) for a in answers], indent=2))
     return 0
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
-    from shoal.deploy.serve import add_ray_args
-
     add_ray_args(parser)
     parser.add_argument(
         "--host", default=None, help="this machine's address as engines reach it (default: node IP)"
@@ -136,6 +139,11 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # here, where an unreachable address fails at once, rather than in ray.init's retries
+        connect_ray(args.address, args.namespace, can_start_local=False)
+    except ConnectionError as e:
+        print(f"shoal generate: no Ray cluster at {args.address!r} ({e})", file=sys.stderr)
+        return 1
     try:
         return asyncio.run(_run(args))
     except Exception as e:

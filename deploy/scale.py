@@ -21,7 +21,7 @@ from typing import Any
 
 from shoal.cluster.elastic import SWITCH_TIMEOUT_S, ScaleError, ScaleInProgressError, scale
 from shoal.cluster.launch import ClusterHandle
-from shoal.deploy.serve import add_ray_args
+from shoal.deploy.ray_connection import add_ray_args
 
 # How many past resizes `shoal status` lists.
 NUM_STATUS_SCALES = 5

@@ -5,6 +5,8 @@ the cluster, logs one line with the namespace and ranks once every rank serves, 
 for `shoal stop` (the registry's stop flag), SIGTERM or SIGINT, and tears the cluster down
 (no actor, no placement group left) before exiting 0. With `--port`, it also serves the
 OpenAI API (`shoal.deploy.openai`) from a thread of this process while the cluster runs.
+A mistake found before the launch (`shoal.deploy.preflight`: a bad size, an unservable
+model, a port in use) ends the command with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from types import FrameType
 import ray
 
 from shoal.cluster.launch import (
-    DEFAULT_NAMESPACE,
     READY_TIMEOUT_S,
     ClusterExistsError,
     EngineStartError,
@@ -30,27 +31,36 @@ from shoal.cluster.launch import (
     launch,
 )
 from shoal.cluster.placement import RankResources
-from shoal.deploy.openai.server import FrontEndThread, add_http_args, front_end_config
+from shoal.deploy.flags import HelpFormatter, add_vllm_compat_args
+from shoal.deploy.openai.generation_config import load_generation_defaults
+from shoal.deploy.openai.server import (
+    FrontEndConfig,
+    FrontEndThread,
+    add_http_args,
+    front_end_config,
+)
+from shoal.deploy.preflight import (
+    bind_http_port,
+    check_model_here,
+    check_model_on_cluster,
+    check_not_negative,
+)
+from shoal.deploy.ray_connection import add_ray_args, connect_ray
 from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
 
 logger = logging.getLogger("shoal.serve")
 
 
-def add_ray_args(parser: argparse.ArgumentParser) -> None:
-    """--address and --namespace, shared by every subcommand that talks to a cluster."""
-    parser.add_argument(
-        "--address",
-        default="auto",
-        help="Ray address for ray.init (default: auto, i.e. RAY_ADDRESS or the local node)",
-    )
-    parser.add_argument(
-        "--namespace", default=DEFAULT_NAMESPACE, help="the cluster's Ray namespace"
-    )
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `shoal serve`: model, cluster layout, and every engine flag."""
-    parser.add_argument("--model", required=True, help="local HF directory or .gguf file")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local Hugging Face directory or .gguf file (or give --model)",
+    )
+    parser.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file")
     add_ray_args(parser)
     parser.add_argument(
         "--data-parallel-address",
@@ -70,20 +80,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="return once the cluster serves, leaving it running (stop it with `shoal stop`)",
     )
-    parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=READY_TIMEOUT_S,
+        metavar="S",
+        help="how long every rank has to load the model and serve",
+    )
     add_engine_cli_args(parser, skip=("data_parallel_rank",))
+    add_vllm_compat_args(parser)
 
 
 def add_rank_args(parser: argparse.ArgumentParser) -> None:
     """What each rank reserves and how ranks are placed (`shoal serve`, `shoal scale`)."""
-    parser.add_argument("--num-cpus-per-rank", type=float, default=1.0)
+    parser.add_argument(
+        "--num-cpus-per-rank", type=float, default=1.0, help="CPUs each rank reserves"
+    )
     parser.add_argument(
         "--num-gpus-per-rank",
         type=float,
         default=None,
         help="GPUs each rank reserves (default: 1 if the cluster has GPUs, else 0)",
     )
-    parser.add_argument("--placement-strategy", choices=("pack", "spread"), default="pack")
+    parser.add_argument(
+        "--placement-strategy",
+        choices=("pack", "spread"),
+        default="pack",
+        help="pack: ranks on as few nodes as fit; spread: across as many nodes as possible",
+    )
 
 
 def rank_resources(args: argparse.Namespace) -> RankResources:
@@ -92,35 +116,6 @@ def rank_resources(args: argparse.Namespace) -> RankResources:
     if num_gpus is None:
         num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     return RankResources(num_cpus=args.num_cpus_per_rank, num_gpus=num_gpus)
-
-
-def connect_ray(address: str, namespace: str, *, can_start_local: bool) -> None:
-    """ray.init at `address`; with "auto" and no running Ray, a local instance if allowed.
-
-    Raises:
-        ConnectionError: no Ray cluster at the address (and none may be started).
-    """
-    if ray.is_initialized():
-        return
-    _check_reachable(address)
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
-    except ConnectionError:
-        if address != "auto" or not can_start_local:
-            raise
-        logger.info("no running Ray cluster found; starting a local one")
-        ray.init(namespace=namespace, log_to_driver=False)
-
-
-def _check_reachable(address: str) -> None:
-    """Fails fast where ray.init would retry for minutes: nothing listens at HOST:PORT."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return  # "auto", "local", or a scheme Ray resolves itself
-    try:
-        socket.create_connection((host, int(port)), timeout=3).close()
-    except OSError as e:
-        raise ConnectionError(f"nothing listens at {address}: {e}") from e
 
 
 class _StopSignals:
@@ -141,9 +136,29 @@ class _StopSignals:
             raise KeyboardInterrupt  # launch() tears down what it started, then re-raises
 
 
+def model_of(args: argparse.Namespace) -> str:
+    """The model of the positional MODEL or `--model` (vLLM takes either).
+
+    Raises:
+        ValueError: neither given, or both given and different.
+    """
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+    model = args.model_tag or args.model
+    if not model:
+        raise ValueError("no model given: `shoal serve PATH` or `--model PATH`")
+    return str(model)
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `shoal serve` with parsed arguments. Returns the exit code."""
-    config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_cli(args))
+    try:
+        check_not_negative(args)
+        args.model = model_of(args)
+        config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_cli(args))
+    except (ValueError, TypeError) as e:
+        logger.error("shoal serve: %s", e)
+        return 2
     if args.api_server_count != 1:
         logger.error(
             "--api-server-count %d: `shoal serve` runs one front end; attach more, on any "
@@ -156,13 +171,37 @@ def run(args: argparse.Namespace) -> int:
         logger.error("--port serves from this process, which --detached leaves at once")
         return 2
     try:
+        check_model_here(config.model.model)
         check_launchable(config)
+        http_config = None if args.port is None else front_end_config(args, args.port)
+        if http_config is not None:  # the front end reads it again as it starts
+            load_generation_defaults(http_config.generation_config, config.model.model)
+        # Held from now on, so a port in use fails before anything launches.
+        sock = None if args.port is None else bind_http_port(args.host, args.port)
     except ValueError as e:
-        logger.error("%s", e)
+        logger.error("shoal serve: %s", e)
         return 2
+    try:
+        return _launch_and_serve(args, config, http_config, sock)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _launch_and_serve(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    http_config: FrontEndConfig | None,
+    sock: socket.socket | None,
+) -> int:
     stop = _StopSignals()
     try:
         connect_ray(args.address, args.namespace, can_start_local=True)
+        try:
+            check_model_on_cluster(config.model.model)
+        except ValueError as e:
+            logger.error("shoal serve: %s", e)
+            return 2
         stop.install()  # after ray.init, which installs a SIGTERM handler of its own
         handle = launch(
             config,
@@ -174,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
             ready_timeout_s=args.ready_timeout,
         )
         stop.is_serving = True
-    except ClusterExistsError as e:
-        logger.error("%s", e)
+    except (ClusterExistsError, ConnectionError) as e:
+        logger.error("shoal serve: %s", e)
         return 1
     except EngineStartError as e:  # the engine's traceback, not this process's
         logger.error("%s\n%s", e, e.__cause__)
@@ -200,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             logger.info("detached: stop it with `shoal stop --namespace %s`", args.namespace)
             return 0
         ray.get(handle.registry.set_served_by.remote(f"{socket.gethostname()}:{os.getpid()}"))
-        front_end = _start_front_end(args)
+        front_end = _start_front_end(http_config, sock)
         try:
             handle.wait_until_stop_requested(
                 poll_s=1.0,
@@ -223,11 +262,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_front_end(args: argparse.Namespace) -> FrontEndThread | None:
+def _start_front_end(
+    config: FrontEndConfig | None, sock: socket.socket | None
+) -> FrontEndThread | None:
     """The HTTP front end of `--port`, serving from a thread of this process."""
-    if args.port is None:
+    if config is None:
         return None
-    front_end = FrontEndThread(front_end_config(args, args.port))
+    front_end = FrontEndThread(config, sock)
     front_end.start()
     return front_end
 
@@ -243,7 +284,9 @@ def configure_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m shoal.deploy.serve ARGS`, the same as `shoal serve ARGS`."""
-    parser = argparse.ArgumentParser(prog="shoal serve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="shoal serve", description=__doc__, formatter_class=HelpFormatter
+    )
     add_serve_args(parser)
     configure_logging()
     return run(parser.parse_args(argv))

@@ -59,7 +59,7 @@ async def _main(args: argparse.Namespace) -> None:
         if results == ["ok"] * 4:
             break
         await asyncio.sleep(0.5)
-    await llm.shutdown()
+    await llm.aclose()
 
 
 def _sync_main(model: str) -> None:

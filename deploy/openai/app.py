@@ -10,8 +10,11 @@
     POST /scale_elastic_ep        resize the cluster while it serves (see `elastic`)
     GET  /is_scaling_elastic_ep   whether a resize runs
 
-With an API key, every `/v1/*` request and both resize endpoints need `Authorization: Bearer
-KEY` (else 401); the other endpoints stay open, as vLLM's do, for probes and scrapers.
+With an API key, every `/v1/*` request, `/tokenize`, `/detokenize` and `/openapi.json` need
+`Authorization: Bearer KEY` (else 401); the resize endpoints need the admin key (`--admin-api-key`,
+by default the API key). `/health`, `/metrics`, `/version` and `/load` stay open, for probes and
+scrapers. (vLLM leaves /tokenize open; here it is work a client can ask for, so it is keyed.)
+Every body is read, capped, before the app parses it (`body_guard`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal import __version__
 from shoal.deploy.metrics import CONTENT_TYPE
+from shoal.deploy.openai.body_guard import BodyGuard
 from shoal.deploy.openai.chat import create_chat_completion
 from shoal.deploy.openai.completions import create_completion
 from shoal.deploy.openai.disconnect import unless_disconnected
@@ -42,35 +46,47 @@ from shoal.deploy.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from shoal.deploy.openai.session import session_id
 from shoal.deploy.openai.state import ServerState
 from shoal.deploy.openai.tokenization import detokenize, tokenize
 
-# The admin endpoints: they change the cluster, so they need the key as /v1/* does.
+# The admin endpoints: they change the cluster, so they need the admin key.
 ADMIN_PATHS = frozenset({"/scale_elastic_ep", "/is_scaling_elastic_ep"})
+# Outside /v1/, the endpoints that need the API key: they do work, or describe the API.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/openapi.json"})
 
 
 def needs_api_key(path: str) -> bool:
     """Whether a request to `path` needs the API key (when the server has one)."""
-    return path.startswith("/v1/") or path.rstrip("/") in ADMIN_PATHS
+    return path.startswith("/v1/") or path.rstrip("/") in KEYED_PATHS
+
+
+def needs_admin_key(path: str) -> bool:
+    """Whether a request to `path` needs the admin key (when the server has one)."""
+    return path.rstrip("/") in ADMIN_PATHS
 
 
 class _FrontDoor:
-    """Pure ASGI middleware: the API-key check (`needs_api_key`), and the count of requests in progress
-    (a streamed response counts until its last byte)."""
+    """Pure ASGI middleware: the key checks (`needs_api_key`, `needs_admin_key`), and the count
+    of requests in progress (a streamed response counts until its last byte)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        expected = f"Bearer {state.api_key}" if state.api_key else None
-        self._expected = expected.encode() if expected else None
+        self._expected = _bearer(state.api_key)
+        self._expected_admin = _bearer(state.admin_api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._expected is not None and needs_api_key(scope["path"]):
+        path = scope["path"]
+        expected = self._expected_admin if needs_admin_key(path) else None
+        if expected is None and needs_api_key(path):
+            expected = self._expected
+        if expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            if not hmac.compare_digest(given, expected):
                 error = OpenAIError("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
                 await error_response(error)(scope, receive, send)
                 return
@@ -82,10 +98,16 @@ class _FrontDoor:
             self.state.num_in_flight -= is_work
 
 
+def _bearer(key: str | None) -> bytes | None:
+    return f"Bearer {key}".encode() if key else None
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The app serving `state`'s model."""
     app = FastAPI(title="shoal", version=__version__, docs_url=None, redoc_url=None)
     install_handlers(app)
+    # The last added runs first: keys are checked before a body is read.
+    app.add_middleware(BodyGuard, max_body_bytes=state.limits.max_request_body_bytes)
     app.add_middleware(_FrontDoor, state=state)
 
     @app.get("/health")
@@ -117,19 +139,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
-        return await unless_disconnected(raw, create_completion(state, request))
+        session = session_id(raw.headers, request.user)
+        return await unless_disconnected(raw, create_completion(state, request, session))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
-        return await unless_disconnected(raw, create_chat_completion(state, request))
+        session = session_id(raw.headers, request.user)
+        return await unless_disconnected(raw, create_chat_completion(state, request, session))
 
-    @app.post("/tokenize")
-    async def tokenize_route(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenize(state, request)
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(request: TokenizeRequest) -> Response:
+        return await tokenize(state, request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(state, request)
+        return await detokenize(state, request)
 
     @app.post("/scale_elastic_ep")
     async def scale_route(request: ScaleElasticEPRequest) -> ScaleElasticEPResponse:

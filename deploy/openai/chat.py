@@ -1,8 +1,9 @@
 """`POST /v1/chat/completions`: conversations rendered with the model's chat template.
 
 The prompt is the template's text, tokenized without added special tokens (the template
-writes them), as `LLM.chat` does. Streams open each choice with an assistant-role delta,
-carry content deltas, and close it with its finish reason.
+writes them), as `LLM.chat` does; it renders `tools` and `chat_template_kwargs` too. Streams
+open each choice with an assistant-role delta, carry content (or tool-call) deltas, and close
+it with its finish reason. Tool calls are read from the output as `tools.py` describes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from shoal.deploy.openai.protocol import (
 from shoal.deploy.openai.sampling import chat_logprobs, sampling_params
 from shoal.deploy.openai.serving import SSE_DONE, Generation, sse, sse_error, usage_of
 from shoal.deploy.openai.state import ServerState
+from shoal.deploy.openai.tools import (
+    ToolCallStreamer,
+    ToolMode,
+    finish_reason_of,
+    parse_tool_calls,
+    tool_mode,
+)
 from shoal.engine.tokenizer import Tokenizer
 
 
@@ -51,55 +59,104 @@ def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+def template_variables(request: ChatCompletionRequest) -> dict[str, Any]:
+    """What a request gives the chat template besides its messages: tools, its own kwargs."""
+    variables: dict[str, Any] = {"chat_template_kwargs": request.chat_template_kwargs}
+    if request.tools:
+        variables["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+    return variables
+
+
 def render_chat(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    variables: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The prompt dict of a conversation.
+    """The prompt dict of a conversation (`variables`: `template_variables`).
 
     Raises:
         OpenAIError: no chat template, or the template refused the conversation (400).
     """
     try:
         return chat_prompt(
-            tokenizer, messages_as_dicts(messages), add_generation_prompt=add_generation_prompt
+            tokenizer,
+            messages_as_dicts(messages),
+            add_generation_prompt=add_generation_prompt,
+            **(variables or {}),
         )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
 
 
+async def render_chat_off_loop(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    variables: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`render_chat` on the tokenizer pool, after the cheap bound on the messages' length.
+
+    Raises:
+        OpenAIError: too long to fit (400), the template refused it (400), or the pool is
+            busy (503).
+    """
+    num_chars = sum(len(str(m.content or "")) for m in messages)
+    state.pool.check_text_length(num_chars, state.max_model_len, "messages")
+    return await state.pool.run(
+        render_chat,
+        state.tokenizer,
+        messages,
+        add_generation_prompt,
+        variables,
+        size=num_chars + len(str(variables or "")),  # tools render too
+    )
+
+
 async def create_chat_completion(
-    state: ServerState, request: ChatCompletionRequest
+    state: ServerState, request: ChatCompletionRequest, session_id: str | None = None
 ) -> JSONResponse | StreamingResponse:
     state.check_model(request.model)
+    state.limits.check_request(request)
     max_tokens = (
         request.max_completion_tokens
         if request.max_completion_tokens is not None
         else request.max_tokens
     )
-    params = sampling_params(request, max_tokens=max_tokens)
-    prompt = render_chat(state.tokenizer, request.messages, request.add_generation_prompt)
-    generation = Generation(state, prompt, params)
+    mode = tool_mode(request, state.tool_calls)
+    params = sampling_params(
+        request,
+        max_tokens=max_tokens,
+        max_logprobs=state.max_logprobs,
+        defaults=state.sampling_defaults,
+    )
+    prompt = await render_chat_off_loop(
+        state, request.messages, request.add_generation_prompt, template_variables(request)
+    )
+    generation = await Generation.create(state, prompt, params, session_id)
     await generation.start()
     num_top = (request.top_logprobs or 0) if request.logprobs else -1
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        events = _stream(state, generation, params.n, num_top, include_usage)
+        events = _stream(state, generation, params.n, num_top, include_usage, mode)
         return StreamingResponse(events, media_type="text/event-stream")
     await generation.run()
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatResponseMessage(content=choice.text),
-            logprobs=ChatLogprobs(
-                content=chat_logprobs(state.tokenizer, choice.as_output(i), num_top)
+    choices = []
+    for i, choice in enumerate(generation.choices):
+        content, tool_calls = parse_tool_calls(mode, choice.text)
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                logprobs=ChatLogprobs(
+                    content=chat_logprobs(state.tokenizer, choice.as_output(i), num_top)
+                )
+                if num_top >= 0
+                else None,
+                finish_reason=finish_reason_of(mode, len(tool_calls), choice.finish_reason),
+                stop_reason=choice.stop_reason,
             )
-            if num_top >= 0
-            else None,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
         )
-        for i, choice in enumerate(generation.choices)
-    ]
     response = ChatCompletionResponse(
         model=state.model_name, choices=choices, usage=usage_of([generation])
     )
@@ -112,6 +169,7 @@ async def _stream(
     n: int,
     num_top: int,
     include_usage: bool,
+    mode: ToolMode,
 ) -> AsyncIterator[str]:
     chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -126,18 +184,24 @@ async def _stream(
     try:
         for i in range(n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        streamers = [ToolCallStreamer(mode) for _ in range(n)]
         async for index, delta in generation.deltas():
             logprobs = (
                 ChatLogprobs(content=chat_logprobs(state.tokenizer, delta, num_top))
                 if num_top >= 0
                 else None
             )
+            streamer = streamers[index]
+            message = streamer.feed(delta.text, delta.finish_reason is not None)
+            is_held = message.content is None and not message.tool_calls and mode.kind != "none"
+            if is_held and delta.finish_reason is None and logprobs is None:
+                continue  # held back: a tool call may be under way
             yield chunk(
                 ChatStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=delta.text),
+                    delta=message,
                     logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
+                    finish_reason=finish_reason_of(mode, streamer.num_calls, delta.finish_reason),
                     stop_reason=delta.stop_reason,
                 )
             )

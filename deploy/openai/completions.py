@@ -32,6 +32,9 @@ from shoal.deploy.openai.serving import (
 )
 from shoal.deploy.openai.state import ServerState
 
+# The most prompts one request may batch.
+MAX_PROMPTS = 1024
+
 
 def _prompts(request: CompletionRequest) -> list[PromptType]:
     prompt = request.prompt
@@ -39,6 +42,8 @@ def _prompts(request: CompletionRequest) -> list[PromptType]:
         return [prompt]
     if not prompt:
         raise OpenAIError("prompt must not be empty", param="prompt")
+    if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+        raise OpenAIError(f"a batch holds at most {MAX_PROMPTS} prompts", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     if all(isinstance(p, str) for p in prompt):
@@ -49,11 +54,19 @@ def _prompts(request: CompletionRequest) -> list[PromptType]:
 
 
 async def create_completion(
-    state: ServerState, request: CompletionRequest
+    state: ServerState, request: CompletionRequest, session_id: str | None = None
 ) -> JSONResponse | StreamingResponse:
     state.check_model(request.model)
-    params = sampling_params(request, max_tokens=request.max_tokens)
-    generations = [Generation(state, prompt, params) for prompt in _prompts(request)]
+    state.limits.check_request(request)
+    params = sampling_params(
+        request,
+        max_tokens=request.max_tokens,
+        max_logprobs=state.max_logprobs,
+        defaults=state.sampling_defaults,
+    )
+    generations = [
+        await Generation.create(state, prompt, params, session_id) for prompt in _prompts(request)
+    ]
     await start_all(generations)
     num_top = request.logprobs if request.logprobs is not None else -1
     if request.stream:

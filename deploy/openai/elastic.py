@@ -3,7 +3,9 @@ a resize runs.
 
     POST /scale_elastic_ep       {"new_data_parallel_size": M}: the report, once this front end
                                  routes over the new set (200); another resize runs (409); a
-                                 size the model cannot be served at (400); rolled back (503)
+                                 size the model cannot be served at, or above what the Ray
+                                 cluster holds or `--max-data-parallel-size` (400, before
+                                 anything is created); rolled back (503)
     GET  /is_scaling_elastic_ep  {"is_scaling_elastic_ep": bool}
 
 The resize runs on a worker thread of the front end's `AsyncLLM` (`shoal.cluster.elastic`), so
@@ -22,6 +24,7 @@ from shoal.deploy.openai.protocol import (
     ScaleElasticEPResponse,
 )
 from shoal.deploy.openai.state import ServerState
+from shoal.deploy.scale import describe_failure
 
 
 async def scale_elastic_ep(
@@ -32,7 +35,13 @@ async def scale_elastic_ep(
     Raises:
         OpenAIError: the resize was refused or failed (see `scale_failure`).
     """
-    options: dict[str, object] = {}
+    new_size, max_size = request.new_data_parallel_size, state.limits.max_data_parallel_size
+    if max_size is not None and new_size > max_size:  # refused before any call to Ray
+        raise OpenAIError(
+            f"{new_size} ranks exceed this server's limit of {max_size} (--max-data-parallel-size)",
+            param="new_data_parallel_size",
+        )
+    options: dict[str, object] = {"max_size": max_size}
     if request.switch_timeout_s is not None:
         options["switch_timeout_s"] = request.switch_timeout_s
     try:
@@ -52,9 +61,6 @@ async def is_scaling_elastic_ep(state: ServerState) -> IsScalingElasticEPRespons
 
 def scale_failure(e: BaseException) -> OpenAIError:
     """The error a refused or failed resize answers with."""
-    # Here, not at the top: shoal.deploy.scale imports serve, which imports this package.
-    from shoal.deploy.scale import describe_failure
-
     message = describe_failure(e)
     if isinstance(e, ScaleInProgressError):
         return OpenAIError(message, HTTPStatus.CONFLICT, code="scale_in_progress")

@@ -2,28 +2,98 @@
 
 Field names and defaults follow OpenAI's API, plus vLLM's extra sampling parameters (`top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, ...), sent by the `openai` client
-as `extra_body`. Unknown fields are refused (a 400 naming them), never silently ignored.
-Range checks live in `SamplingParams`; `sampling.py` turns these bodies into one.
+as `extra_body`. As in vLLM, an unknown field of a completions or chat body is dropped with one
+warning per field name (SDKs send fields of their own), and `null` for a field means its
+default; fields whose meaning shoal cannot honour are refused in `sampling.py`, each with its
+own message. Range checks live in `SamplingParams`; `sampling.py` turns these bodies into one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import types
+import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types are kept (`"stream": "yes"` or `"n": "2"` is a 400, not coerced).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Body):
+# Unknown field names already warned about, once per process.
+_warned_fields: set[str] = set()
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is Any or annotation is None:
+        return True
+    origin = typing.get_origin(annotation)
+    return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+class _LenientBody(BaseModel):
+    """A request body that drops unknown fields (one warning per name) and reads `null` as
+    the default of a field that cannot be null."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict: as `_Body`
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_and_null(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = {f.alias or name: f for name, f in cls.model_fields.items()}
+        kept = {}
+        for name, value in data.items():
+            field = fields.get(name)
+            if field is None:
+                if name not in _warned_fields:
+                    _warned_fields.add(name)
+                    logger.warning("ignoring the unknown request field %r", name)
+                continue
+            if value is None and not _admits_none(field.annotation):
+                continue
+            kept[name] = value
+        return kept
+
+
+class StreamOptions(_LenientBody):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class StructuredOutputsRequest(_LenientBody):
+    """vLLM's `structured_outputs` body: exactly one of its constraint kinds."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # vLLM's name: True keeps JSON compact
+
+
+class JsonSchemaFormat(_LenientBody):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_LenientBody):
+    """OpenAI's `response_format`: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _SamplingFields(_LenientBody):
     """The sampling parameters completions and chat share."""
 
     model: str | None = None
@@ -44,10 +114,25 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the caller's end-user id: accepted, as OpenAI's API does
+    # The caller's end-user id; it keeps the user's requests on one rank (session affinity)
+    # unless an X-Session-ID header names another session.
+    user: str | None = None
     # Accepted with their neutral values only (clients send them by default).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None
+    # Accepted and not acted on: they carry no meaning for the generation.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Structured outputs (`structured.py`): OpenAI's, vLLM's, and vLLM's older spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # one backend here: accepted, not acted on
 
 
 class CompletionRequest(_SamplingFields):
@@ -59,10 +144,32 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool fields: passed to the template
+    # name, tool fields: passed to the template; strict: as `_Body`
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+
+class FunctionDefinition(_LenientBody):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_LenientBody):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_LenientBody):
+    name: str
+
+
+class NamedToolChoice(_LenientBody):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -72,6 +179,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tool calls (`tools.py`): the template renders `tools`; `required` and a named choice
+    # are enforced by a grammar, `auto` is parsed from the text by the server's parser.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form: refused
+    function_call: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -150,9 +265,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: _id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -172,9 +299,24 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call's fragment: the first of a call has its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -1,7 +1,9 @@
 """From an OpenAI request body to `SamplingParams`, and from engine logprobs to OpenAI's shapes.
 
 Parameters shoal does not have (a non-empty `logit_bias`, `best_of` other than `n`, `echo`,
-`suffix`) are refused with a 400 naming them rather than ignored.
+`suffix`, `prompt_logprobs`, the deprecated `functions`) are refused with a 400 naming them,
+each with its own message, rather than ignored. The output constraint comes from
+`structured.py`.
 """
 
 from __future__ import annotations
@@ -17,17 +19,24 @@ from shoal.deploy.openai.protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from shoal.deploy.openai.structured import constraint_of
 from shoal.engine.protocol import RequestOutputKind, SamplingParams
 from shoal.engine.tokenizer import Tokenizer
 
-# A request may ask for at most this many top logprobs per position (OpenAI's limit is 20).
+# A request may ask for at most this many top logprobs per position (OpenAI's limit is 20),
+# unless the engines' `--max-logprobs` says otherwise (`ServerState.max_logprobs`).
 MAX_LOGPROBS = 20
 
 
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int | None,
+    max_logprobs: int = MAX_LOGPROBS,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """The engine's `SamplingParams` for a request body.
+    """The engine's `SamplingParams` for a request body, with `defaults` (the front end's
+    `--generation-config`, `generation_config.py`) where the body is silent or null.
 
     Raises:
         OpenAIError: a parameter out of range or not supported (400, naming it).
@@ -42,8 +51,8 @@ def sampling_params(
     else:
         logprobs = request.logprobs
         param = "logprobs"
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise OpenAIError(f"{param} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=param)
+    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+        raise OpenAIError(f"{param} must be in [0, {max_logprobs}], got {logprobs}", param=param)
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     kwargs: dict[str, Any] = {
         "n": request.n,
@@ -64,7 +73,15 @@ def sampling_params(
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
         "output_kind": RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        "structured_outputs": constraint_of(request),
     }
+    for name, value in (defaults or {}).items():
+        if name == "max_tokens":  # chat's max_completion_tokens or max_tokens, resolved
+            is_silent = max_tokens is None
+        else:
+            is_silent = name not in request.model_fields_set or getattr(request, name) is None
+        if is_silent:
+            kwargs[name] = value
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
@@ -78,6 +95,18 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
         raise OpenAIError("logit_bias is not supported", param="logit_bias")
     if request.best_of is not None and request.best_of != request.n:
         raise OpenAIError("best_of other than n is not supported", param="best_of")
+    if request.prompt_logprobs is not None:
+        raise OpenAIError(
+            "prompt_logprobs is not supported: logprobs cover generated tokens only",
+            param="prompt_logprobs",
+        )
+    if isinstance(request, ChatCompletionRequest) and (
+        request.functions is not None or request.function_call is not None
+    ):
+        raise OpenAIError(
+            "functions and function_call are not supported; use tools and tool_choice",
+            param="functions" if request.functions is not None else "function_call",
+        )
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise OpenAIError("echo is not supported", param="echo")

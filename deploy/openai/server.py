@@ -1,11 +1,16 @@
 """Running a front end: uvicorn serving `build_app` over an `AsyncLLM` attached by namespace.
 
-    shoal api-server --namespace NS [--host H] [--port P] [--api-key KEY] [--served-model-name N]
+    shoal api-server --namespace NS [--host H] [--port P] [--api-key-file F] [--served-model-name N]
 
 attaches a front end to a running cluster (any node, any number of them, coming and going
 while the engines run). `shoal serve --port P` runs the same front end in a thread of the
-serving process (`FrontEndThread`). The API key comes from `--api-key`, else from the
-`SHOAL_API_KEY` environment variable (so a Kubernetes Secret can supply it).
+serving process (`FrontEndThread`). The API key comes from `--api-key-file` (a file only its
+owner reads, e.g. a mounted Kubernetes Secret: the way to keep it out of `ps`, the Ray job's
+entrypoint and its log), else `--api-key` (works, with a warning: it is that visible), else
+the `SHOAL_API_KEY` environment variable. The resize endpoints take the admin key, found the
+same way (`--admin-api-key-file`, `--admin-api-key`, `SHOAL_ADMIN_API_KEY`), by default the
+API key. No key is ever written to a log. Connections and requests are bounded by `limits`
+and `connections`.
 """
 
 from __future__ import annotations
@@ -16,20 +21,30 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
 
 from shoal.client.async_llm import AsyncLLM
+from shoal.client.lb_policy import ROUTING_POLICIES
 from shoal.cluster.launch import attach
 from shoal.deploy.openai.app import build_app
+from shoal.deploy.openai.connections import connection_cap, guarded_protocol, quiet_loop_errors
+from shoal.deploy.openai.generation_config import load_generation_defaults
+from shoal.deploy.openai.limits import FrontEndLimits, add_limit_args, limits_from_args
 from shoal.deploy.openai.state import ServerState
+from shoal.deploy.openai.tools import ToolCallConfig, add_tool_args, tool_config_from_args
+from shoal.deploy.preflight import bind_http_port, check_not_negative
+from shoal.deploy.ray_connection import add_ray_args, connect_ray
+from shoal.engine.connection_gate import raise_open_file_limit
 
 logger = logging.getLogger("shoal.api_server")
 
 API_KEY_ENV = "SHOAL_API_KEY"
+ADMIN_API_KEY_ENV = "SHOAL_ADMIN_API_KEY"
 DEFAULT_PORT = 8000
 # How long a stopping front end lets open streams run before it closes them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -44,11 +59,19 @@ class FrontEndConfig:
     namespace: str
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
-    api_key: str | None = None
-    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    # The names the API answers to (the first is the one it reports); default: the model path.
+    served_model_names: tuple[str, ...] = ()
     data_parallel_address: str | None = None  # this node's address as the engines reach it
     # How ranks that a resize asked of this front end adds are started: `shoal serve --port`
     # starts them as it launched the others; any other front end, detached.
+    admin_api_key: str | None = field(default=None, repr=False)  # default: api_key
+    limits: FrontEndLimits = field(default_factory=FrontEndLimits)
+    tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
+    routing_policy: str = "cache-aware"  # `shoal.client.lb_policy.make_policy`
+    chat_template: str | None = None  # overrides the tokenizer's (`load_chat_template`)
+    uvicorn_log_level: str = "warning"
+    generation_config: str = "vllm"  # `load_generation_defaults`
 
 
 def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) -> None:
@@ -64,28 +87,143 @@ def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) 
         + (f" (default {port_default})" if port_default else " (default: no HTTP front end)"),
     )
     parser.add_argument(
-        "--api-key",
+        "--api-key-file",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, if set)",
+        metavar="PATH",
+        help="require `Authorization: Bearer KEY` on /v1/* and /tokenize, KEY read from PATH "
+        "(kept out of `ps` and the job's log, unlike --api-key)",
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: --model)"
+        "--api-key",
+        default=None,
+        help=f"the API key itself (visible in `ps`: prefer --api-key-file; default: "
+        f"${API_KEY_ENV}, if set)",
     )
+    parser.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="the key of the resize endpoints, read from PATH (default: the API key)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"the admin key itself (visible in `ps`; default: ${ADMIN_API_KEY_ENV}, else the "
+        "API key)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the API answers to; the first is the one it reports (default: the "
+        "model path)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's "
+        "(default: the tokenizer's)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="vllm",
+        metavar="{vllm,auto,FOLDER}",
+        help="sampling defaults for what a request leaves unset: vllm: none (default); auto: "
+        "the model's generation_config.json; FOLDER: the generation_config.json in FOLDER",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="the HTTP server's log level (default: warning)",
+    )
+    parser.add_argument(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        default="cache-aware",
+        help="how the front end picks a rank: cache-aware (default: the uncached prefill plus "
+        "the rank's load, cheapest wins), least-loaded, or round-robin",
+    )
+    add_limit_args(parser)
+    add_tool_args(parser)
 
 
 def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
+    """Raises ValueError: a key file that cannot be read or is empty; a bad limit."""
     return FrontEndConfig(
         namespace=args.namespace,
         host=args.host,
         port=port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        served_model_name=args.served_model_name,
+        api_key=_key(args.api_key_file, args.api_key, "--api-key", API_KEY_ENV),
+        served_model_names=tuple(args.served_model_name or ()),
         data_parallel_address=args.data_parallel_address,
+        admin_api_key=_key(
+            args.admin_api_key_file, args.admin_api_key, "--admin-api-key", ADMIN_API_KEY_ENV
+        ),
+        limits=limits_from_args(args),
+        tool_calls=tool_config_from_args(args),
+        routing_policy=args.routing_policy,
+        chat_template=load_chat_template(args.chat_template),
+        uvicorn_log_level=args.uvicorn_log_level,
+        generation_config=args.generation_config,
     )
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a Jinja template.
+
+    Raises:
+        ValueError: neither a readable file nor a template, or a template that does not parse.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --chat-template {value}: {e.strerror}") from e
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from e
+    return template
+
+
+def _key(path: str | None, given: str | None, flag: str, env: str) -> str | None:
+    """A key from its file, its flag (with a warning), or its environment variable."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read {flag}-file {path}: {e.strerror}") from e
+        if not key:
+            raise ValueError(f"{flag}-file {path} is empty")
+        return key
+    if given:
+        logger.warning(
+            "%s on the command line is visible to anyone who can list processes or read the "
+            "job's entrypoint; use %s-file",
+            flag,
+            flag,
+        )
+        return given
+    return os.environ.get(env) or None
+
+
 async def serve_front_end(
-    config: FrontEndConfig, should_exit: threading.Event | None = None
+    config: FrontEndConfig,
+    should_exit: threading.Event | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Attaches to the cluster and serves HTTP until uvicorn exits (SIGINT/SIGTERM in the main
     thread) or `should_exit` is set; then detaches, leaving the engines running."""
@@ -93,17 +231,42 @@ async def serve_front_end(
         config.namespace,
         host=config.data_parallel_address,
         name=f"api-server {config.host}:{config.port}",
+        policy=config.routing_policy,
         ready_timeout_s=ATTACH_READY_TIMEOUT_S,
     )
     try:
         handle = await asyncio.to_thread(attach, config.namespace)
-        name = config.served_model_name or llm.config.model.model
-        state = ServerState.make(llm, name, config.api_key, handle.registry)
+        names = config.served_model_names or (llm.config.model.model,)
+        name = names[0]
+        if config.chat_template is not None:
+            llm.tokenizer.chat_template = config.chat_template
+        state = ServerState.make(
+            llm,
+            name,
+            config.api_key,
+            handle.registry,
+            admin_api_key=config.admin_api_key,
+            limits=config.limits,
+        )
+        state.tool_calls = config.tool_calls
+        state.served_model_names = names
+        state.sampling_defaults = load_generation_defaults(
+            config.generation_config, llm.config.model.model
+        )
+        if state.sampling_defaults:
+            logger.info("request defaults from generation_config.json: %s", state.sampling_defaults)
+        limits = config.limits
+        raise_open_file_limit()
+        quiet_loop_errors(asyncio.get_running_loop())
         uv_config = uvicorn.Config(
             build_app(state),
             host=config.host,
             port=config.port,
-            log_level="warning",
+            http=guarded_protocol(
+                connection_cap(limits.max_connections), limits.http_read_timeout_s
+            ),
+            timeout_keep_alive=limits.timeout_keep_alive_s,  # type: ignore[arg-type]
+            log_level=config.uvicorn_log_level,
             access_log=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
@@ -117,11 +280,12 @@ async def serve_front_end(
             config.namespace,
         )
         try:
-            await server.serve()
+            await server.serve(sockets=None if sock is None else [sock])
         finally:
             watcher.cancel()
+            state.pool.shutdown()
     finally:
-        await llm.shutdown()
+        await llm.aclose()
 
 
 async def _exit_when_set(server: uvicorn.Server, event: threading.Event | None) -> None:
@@ -135,8 +299,9 @@ async def _exit_when_set(server: uvicorn.Server, event: threading.Event | None) 
 class FrontEndThread:
     """A front end on a thread of its own (its own event loop), for `shoal serve --port`."""
 
-    def __init__(self, config: FrontEndConfig) -> None:
+    def __init__(self, config: FrontEndConfig, sock: socket.socket | None = None) -> None:
         self.config = config
+        self._sock = sock  # bound already (`preflight.bind_http_port`), or None: uvicorn binds
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shoal-front-end", daemon=True)
@@ -154,7 +319,7 @@ class FrontEndThread:
 
     def _run(self) -> None:
         try:
-            asyncio.run(serve_front_end(self.config, self._stop))
+            asyncio.run(serve_front_end(self.config, self._stop, self._sock))
         except BaseException as e:
             self.error = e
             logger.exception("the HTTP front end failed")
@@ -162,11 +327,17 @@ class FrontEndThread:
 
 def run(args: argparse.Namespace) -> int:
     """`shoal api-server`: serves until SIGINT/SIGTERM. Returns the exit code."""
-    from shoal.deploy.serve import connect_ray
-
+    try:  # before Ray: a bad flag or a port in use costs one line
+        check_not_negative(args)
+        config = front_end_config(args, args.port)
+        sock = bind_http_port(args.host, args.port)
+    except ValueError as e:
+        logger.error("shoal api-server: %s", e)
+        return 2
     try:
         connect_ray(args.address, args.namespace, can_start_local=False)
     except ConnectionError as e:
+        sock.close()
         logger.error("no Ray cluster at %r: %s", args.address, e)
         return 1
     # uvicorn handles SIGTERM/SIGINT while it serves, then re-raises the signal to the handler
@@ -175,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_quietly)
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            asyncio.run(serve_front_end(front_end_config(args, args.port)))
+            asyncio.run(serve_front_end(config, sock=sock))
         except Exception as e:
             logger.error("shoal api-server: %s", e)
             return 1
@@ -187,8 +358,6 @@ def _exit_quietly(signum: int, frame: FrameType | None) -> None:
 
 
 def add_api_server_args(parser: argparse.ArgumentParser) -> None:
-    from shoal.deploy.serve import add_ray_args
-
     add_ray_args(parser)
     add_http_args(parser, port_default=DEFAULT_PORT)
     parser.add_argument(

@@ -51,16 +51,48 @@ class ChoiceState:
 class Generation:
     """The engine requests of one prompt (n of them for `n > 1`), streamed as deltas."""
 
-    def __init__(self, state: ServerState, prompt: PromptType, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+    ) -> None:
         """Raises OpenAIError: the prompt and `max_tokens` exceed the context (400)."""
-        text, token_ids = tokenize_prompt(state.tokenizer, prompt)
         _check_length(len(token_ids), params.max_tokens, state.max_model_len)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        self._stream = state.llm.generate(prompt, params, uuid.uuid4().hex)
+        self._stream = state.llm.generate(prompt, params, uuid.uuid4().hex, session_id=session_id)
         self._metrics = state.metrics
         self.choices = [ChoiceState() for _ in range(params.n)]
         self.num_prompt_tokens = 0
         self._first: RequestOutput | None = None
+
+    @classmethod
+    async def create(
+        cls,
+        state: ServerState,
+        prompt: PromptType,
+        params: SamplingParams,
+        session_id: str | None = None,
+    ) -> Generation:
+        """The generation of `prompt`, tokenized off the event loop (`TokenizerPool`).
+
+        Raises:
+            OpenAIError: a text too long to fit, checked before tokenizing, or a prompt and
+                `max_tokens` that exceed the context (400); the tokenizer busy (503).
+        """
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if text is not None:
+            state.pool.check_text_length(len(text), state.max_model_len, "prompt")
+            text, token_ids = await state.pool.run(
+                tokenize_prompt, state.tokenizer, prompt, size=len(text)
+            )
+        else:
+            text, token_ids = tokenize_prompt(state.tokenizer, prompt)  # ids: nothing to encode
+        return cls(state, text, token_ids, params, session_id)
 
     async def start(self) -> None:
         """Waits for the first output.

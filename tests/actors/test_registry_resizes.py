@@ -29,8 +29,8 @@ def registry(ray_local: str) -> Iterator[Any]:
         .remote(namespace, CONFIG)
     )
     for rank in (0, 1):
-        ray.get(actor.plan_rank.remote(rank, f"engine-{rank}", f"pg-{rank}"))
-        ray.get(actor.register_engine.remote(_endpoint(rank), "127.0.0.1"))
+        ray.get(actor.plan_rank.remote(rank, f"engine-{rank}", f"pg-{rank}", b""))
+        ray.get(actor.register_engine.remote(_endpoint(rank), "127.0.0.1", b""))
     yield actor
     ray.kill(actor)
 
@@ -62,13 +62,13 @@ def test_a_rank_started_by_a_resize_joins_the_new_set_and_serves_once_it_commits
     epoch, _ = ray.get(registry.begin_scale.remote("driver", 3))
     plan = ScalePlan(epoch, 3, "ns/resize-1", expert_to_rank=(0, 0, 0, 1, 1, 1, 2, 2))
     ray.get(registry.set_scale_phase.remote(epoch, "starting", plan, [2]))
-    ray.get(registry.plan_rank.remote(2, "engine-2", "pg-2"))
+    ray.get(registry.plan_rank.remote(2, "engine-2", "pg-2", b""))
     start = ray.get(registry.engine_start.remote(2))
     assert start.joining == plan and start.group_name == "ns/resize-1"
     assert start.config.parallel.data_parallel_size == 3
     old = ray.get(registry.engine_start.remote(0))  # a restarted old rank: the old set
     assert old.joining is None and old.config.parallel.data_parallel_size == 2
-    ray.get(registry.register_engine.remote(_endpoint(2), "127.0.0.1"))
+    ray.get(registry.register_engine.remote(_endpoint(2), "127.0.0.1", b""))
     membership = ray.get(registry.membership.remote())
     assert membership.ranks[2].state == RankState.JOINING
     assert [e.engine_index for e in membership.routable_endpoints()] == [0, 1]

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+import warnings
 from collections.abc import AsyncIterator
 
 import pytest
@@ -31,7 +32,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 async def llm(checkpoint: str) -> AsyncIterator[AsyncLLM]:
     engine = AsyncLLM(checkpoint, max_model_len=256, num_gpu_blocks_override=64)
     yield engine
-    await engine.shutdown()
+    await engine.aclose()
 
 
 async def _collect(
@@ -146,6 +147,31 @@ async def _wait_idle(llm: AsyncLLM, timeout_s: float = 5.0):
 
 
 @pytest.mark.asyncio(loop_scope="function")
+async def test_a_plain_shutdown_call_closes_everything_without_a_warning(checkpoint: str) -> None:
+    """vLLM's `llm.shutdown()`, not awaited: open streams fail and the engine process ends."""
+    llm = AsyncLLM(checkpoint, max_model_len=256)
+    stream = llm.generate(PROMPTS[0], SamplingParams(**_greedy(200)))
+    await stream.__anext__()
+    (process,) = llm.engine_core.engine_set.processes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited would warn
+        assert llm.shutdown() is None
+        llm.shutdown()  # idempotent
+
+    async def drain() -> None:
+        async for _ in stream:
+            pass
+
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(drain(), timeout=5)
+    with pytest.raises(EngineDeadError):
+        await llm.generate(PROMPTS[1], GREEDY).__anext__()
+    assert llm.engine_core.resources.is_closed
+    process.join(10)
+    assert not process.is_alive()
+
+
+@pytest.mark.asyncio(loop_scope="function")
 async def test_killed_engine_fails_every_stream_promptly(checkpoint: str) -> None:
     llm = AsyncLLM(checkpoint, max_model_len=256)
     params = SamplingParams(**_greedy(200))
@@ -168,4 +194,4 @@ async def test_killed_engine_fails_every_stream_promptly(checkpoint: str) -> Non
     assert all(isinstance(r, EngineDeadError) for r in results), results
     with pytest.raises(EngineDeadError):
         await llm.generate(PROMPTS[0], params).__anext__()
-    await llm.shutdown()
+    await llm.aclose()

@@ -365,7 +365,7 @@ def test_a_second_event_loop_is_refused_at_once_and_shutdown_works_from_it(
             await asyncio.wait_for(llm.generate("second loop", params).__anext__(), 5)
         with pytest.raises(RuntimeError, match="another event loop"):
             await llm.get_stats()
-        await llm.shutdown()
+        await llm.aclose()
 
     assert asyncio.run(first()) == 64
     asyncio.run(second())

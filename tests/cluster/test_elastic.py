@@ -97,7 +97,7 @@ async def drivers(request: pytest.FixtureRequest) -> AsyncIterator[list[AsyncLLM
     ]
     yield llms
     for llm in llms:
-        await llm.shutdown()
+        await llm.aclose()
 
 
 def _ranks_in_registry(cluster: ClusterHandle) -> list[int]:

@@ -64,7 +64,7 @@ def cluster(ray_local: str, checkpoint: str) -> Iterator[ClusterHandle]:
 async def llm(cluster: ClusterHandle) -> AsyncIterator[AsyncLLM]:
     engine = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="ep driver")
     yield engine
-    await engine.shutdown()
+    await engine.aclose()
 
 
 async def _final(llm: AsyncLLM, prompt: Any, params: SamplingParams, **kw: Any) -> RequestOutput:

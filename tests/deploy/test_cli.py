@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -56,8 +57,9 @@ def test_serve_flags_map_onto_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     serve.add_serve_args(parser)
     assert vars(parser.parse_args(argv)) == {k: v for k, v in vars(args).items() if k != "command"}
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--data-parallel-size", "2"])  # no --model
+    no_model = cli.build_parser().parse_args(["serve", "--data-parallel-size", "2"])
+    with pytest.raises(ValueError, match="no model given"):
+        serve.model_of(no_model)
 
 
 @pytest.mark.slow
@@ -117,16 +119,19 @@ def test_format_status_shows_ranks_load_and_clients() -> None:
         "ranks": [
             {"rank": 0, "state": "ready", "incarnation": 2, "address": "tcp://h:1",
              "load": {"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_cache_usage": 0.25,
-                      "step_counter": 40}},
+                      "step_counter": 40, "num_cached_blocks": 12,
+                      "prefix_cache_queries_total": 800, "prefix_cache_hits_total": 600}},
             {"rank": 1, "state": "dead", "incarnation": 1, "address": None, "load": None},
         ],
         "clients": [{"client_index": 0, "name": "api-server", "attached_at": 0.0}],
     }  # fmt: skip
-    lines = cli.format_status(status).splitlines()
+    lines = status.format_status(status).splitlines()
     assert lines[0] == "namespace prod  model /m  epoch 4"
     assert "host:1" in lines[1]
-    assert lines[4].split() == ["0", "ready", "2", "3", "1", "25.0%", "40", "tcp://h:1"]
-    assert lines[5].split() == ["1", "dead", "1", "-", "-", "-", "-", "-"]
+    assert lines[4].split() == [
+        "0", "ready", "2", "3", "1", "25.0%", "40", "12", "75.0%", "tcp://h:1"
+    ]  # fmt: skip
+    assert lines[5].split() == ["1", "dead", "1", "-", "-", "-", "-", "-", "-", "-"]
     assert "clients: 1" in lines and "api-server" in lines[-1]
 
 
@@ -171,3 +176,18 @@ def test_detached_serve_then_status_then_stop(
 
     assert cli.main(["stop", "--namespace", namespace]) == 1
     assert "no shoal cluster runs in namespace" in capsys.readouterr().err
+
+
+def test_a_model_path_no_node_has_fails_before_any_actor_starts(
+    ray_local: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, restore_signals: None
+) -> None:
+    """On a one-node cluster a path missing here is missing everywhere: one line, exit 2."""
+    namespace = unique_namespace("cli")
+    missing = str(tmp_path / "no-such-model")
+    assert cli.main(["serve", missing, "--namespace", namespace]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"model path {missing} does not exist" in errors[0], errors
+    names = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace
+    ]
+    assert names == []

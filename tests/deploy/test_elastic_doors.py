@@ -22,7 +22,7 @@ import pytest
 import ray.exceptions
 
 from shoal.cluster.elastic import ScaleError, ScaleInProgressError
-from shoal.deploy.openai.app import needs_api_key
+from shoal.deploy.openai.app import needs_admin_key, needs_api_key
 from shoal.deploy.openai.elastic import scale_failure
 from shoal.deploy.openai.protocol import ScaleElasticEPRequest
 from shoal.deploy.scale import format_report, scale_status_lines
@@ -63,12 +63,13 @@ def test_the_scale_body_is_one_strict_integer() -> None:
             ScaleElasticEPRequest.model_validate(body)
 
 
-def test_the_resize_endpoints_need_the_key_as_v1_does() -> None:
+def test_the_resize_endpoints_need_the_admin_key_and_the_work_endpoints_the_api_key() -> None:
     for path in ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/is_scaling_elastic_ep/"):
-        assert needs_api_key(path), path
-    assert needs_api_key("/v1/completions")
-    for path in ("/health", "/metrics", "/version", "/load", "/tokenize"):
-        assert not needs_api_key(path), path
+        assert needs_admin_key(path) and not needs_api_key(path), path
+    for path in ("/v1/completions", "/tokenize", "/detokenize", "/openapi.json"):
+        assert needs_api_key(path) and not needs_admin_key(path), path
+    for path in ("/health", "/metrics", "/version", "/load"):
+        assert not needs_api_key(path) and not needs_admin_key(path), path
 
 
 def _remote(error: Exception) -> Exception:

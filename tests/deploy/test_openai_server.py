@@ -191,7 +191,8 @@ BAD_BODIES = [
     ({"logprobs": 99}, "logprobs"),
     ({"presence_penalty": 5.0}, "presence_penalty"),
     ({"min_p": 2.0}, "min_p"),
-    ({"no_such_parameter": 1}, "no_such_parameter"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # unknown fields are accepted: test_protocol.py
+    ({"echo": True}, "echo"),
     ({"max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 1000}, None),  # prompt + max_tokens over the 256-token context
     ({"prompt": [[]]}, "prompt"),
@@ -231,12 +232,14 @@ def test_wrong_key_401_unknown_model_404(served: FrontEnd) -> None:
 
 
 def test_tokenize_detokenize(served: FrontEnd, reference: LLM) -> None:
-    tokens = request_json(f"{served.base_url}/tokenize", {"prompt": PROMPT})[1]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert request_json(f"{served.base_url}/tokenize", {"prompt": PROMPT})[0] == 401
+    tokens = request_json(f"{served.base_url}/tokenize", {"prompt": PROMPT}, auth)[1]
     assert tokens["tokens"] == reference.get_tokenizer().encode(PROMPT)
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
-    text = request_json(f"{served.base_url}/detokenize", {"tokens": tokens["tokens"]})[1]
+    text = request_json(f"{served.base_url}/detokenize", {"tokens": tokens["tokens"]}, auth)[1]
     assert text["prompt"] == reference.get_tokenizer().decode(tokens["tokens"])
-    assert request_json(f"{served.base_url}/detokenize", {"tokens": [10**9]})[0] == 400
+    assert request_json(f"{served.base_url}/detokenize", {"tokens": [10**9]}, auth)[0] == 400
 
 
 def _wait_until_running(base_url: str) -> None:
@@ -336,6 +339,30 @@ def test_metrics_parse_and_add_up_to_the_usage_returned(
     assert total(samples, "shoal:ranks", state="ready") == 2
     assert total(samples, "shoal:attached_clients") >= 1
     assert total(samples, "shoal:requests_routed_total") > 0
+
+
+def test_a_user_or_session_header_keeps_requests_together_and_is_counted(
+    served: FrontEnd, client: openai.OpenAI
+) -> None:
+    def sessions() -> float:
+        samples = scrape(served.base_url)
+        return total(samples, "shoal:routing_decisions_total", reason="session")
+
+    before = sessions()
+    for i in range(3):
+        client.completions.create(
+            model=MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=2, user="alice"
+        )
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"{i} {PROMPT}",
+            max_tokens=2,
+            user="alice",
+            extra_headers={"X-Session-ID": "conversation-7"},  # the header wins
+        )
+    assert sessions() - before == 4  # each session's first request is routed by cache and load
+    with pytest.raises(openai.BadRequestError, match="at most 256 characters"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, user="u" * 300)
 
 
 def test_attached_front_end_serves_the_same_cluster_and_counts_add_up(

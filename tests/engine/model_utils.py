@@ -107,11 +107,16 @@ def make_runner(
     max_num_batched_tokens: int = 512,
     weights: dict[str, torch.Tensor] | None = None,
     device: str = "cpu",
+    attention_backend: str | None = None,
 ) -> ModelRunner:
     """A runner with `hf_model`'s weights (or `weights`) loaded and `num_blocks` KV blocks."""
     arch = arch_from_hf(hf_model)
     runner = ModelRunner(
-        ModelConfig(model="unused", dtype=dtype),  # type: ignore[arg-type]
+        ModelConfig(
+            model="unused",
+            dtype=dtype,  # type: ignore[arg-type]
+            attention_backend=attention_backend,
+        ),
         CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         arch,

@@ -1,0 +1,77 @@
+"""`shoal status`: the cluster's ranks, their load and cache, resizes, expert placement and
+attached clients, as a table or as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from shoal.cluster.launch import ClusterHandle
+from shoal.deploy import scale
+
+
+def show_status(handle: ClusterHandle, *, as_json: bool) -> int:
+    """Prints the cluster's ranks, their state and load, resizes, and the attached clients."""
+    status = handle.status()
+    if as_json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def _hit_rate(load: dict[str, Any]) -> str:
+    """The rank's prefix-cache hit rate since it started: hit tokens / looked-up tokens."""
+    queries = load.get("prefix_cache_queries_total", 0)
+    return f"{100 * load.get('prefix_cache_hits_total', 0) / queries:.1f}%" if queries else "-"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The human-readable `shoal status` table."""
+    lines = [
+        f"namespace {status['namespace']}  model {status['model']}  epoch {status['epoch']}",
+        f"served by {status['served_by'] or '-'}"
+        + ("  (detached)" if status["detached"] else "")
+        + ("  STOPPING" if status["stopping"] else ""),
+        "",
+        f"{'RANK':<5}{'STATE':<10}{'INC':<5}{'RUNNING':>8}{'WAITING':>8}{'KV USE':>8}"
+        f"{'STEPS':>8}{'CACHED':>8}{'HIT':>8}  ADDRESS",
+    ]
+    for rank in status["ranks"]:
+        load = rank.get("load") or {}
+        kv = f"{100 * load['kv_cache_usage']:.1f}%" if load else "-"
+        lines.append(
+            f"{rank['rank']:<5}{rank['state']:<10}{rank['incarnation']:<5}"
+            f"{load.get('num_running_reqs', '-'):>8}{load.get('num_waiting_reqs', '-'):>8}"
+            f"{kv:>8}{load.get('step_counter', '-'):>8}"
+            f"{load.get('num_cached_blocks', '-'):>8}{_hit_rate(load):>8}"
+            f"  {rank['address'] or '-'}"
+        )
+    lines.append("")
+    lines += scale.scale_status_lines(status)
+    lines += _expert_parallel_lines(status.get("expert_parallel"))
+    clients = status["clients"]
+    lines.append(f"clients: {len(clients)}")
+    now = time.time()
+    for client in clients:
+        lines.append(
+            f"  {client['client_index']:<4}{client['name']}"
+            f"  (attached {now - client['attached_at']:.0f} s ago)"
+        )
+    return "\n".join(lines)
+
+
+def _expert_parallel_lines(expert_parallel: dict[str, Any] | None) -> list[str]:
+    """EP size, each rank's experts, and the DP wave (nothing for a dense cluster)."""
+    if expert_parallel is None:
+        return []
+    state = "running" if expert_parallel.get("running") else "paused"
+    lines = [
+        f"expert parallel: {expert_parallel['size']} ranks, "
+        f"{expert_parallel['num_experts']} experts; wave {expert_parallel.get('current_wave', 0)} "
+        f"{state}"
+    ]
+    for rank, experts in enumerate(expert_parallel["experts_per_rank"]):
+        lines.append(f"  rank {rank}: experts {', '.join(map(str, experts))}")
+    return [*lines, ""]
