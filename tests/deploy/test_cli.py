@@ -15,6 +15,7 @@ import ray
 
 from shoal.cluster.placement import live_placement_group_names
 from shoal.deploy import cli, serve
+from shoal.deploy.status import format_status
 from shoal.engine.config import EngineConfig, engine_kwargs_from_cli
 from tests.factories import make_tiny_checkpoint, smollm2_path
 from tests.ray_utils import (
@@ -125,7 +126,7 @@ def test_format_status_shows_ranks_load_and_clients() -> None:
         ],
         "clients": [{"client_index": 0, "name": "api-server", "attached_at": 0.0}],
     }  # fmt: skip
-    lines = status.format_status(status).splitlines()
+    lines = format_status(status).splitlines()
     assert lines[0] == "namespace prod  model /m  epoch 4"
     assert "host:1" in lines[1]
     assert lines[4].split() == [

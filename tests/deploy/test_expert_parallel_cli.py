@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from shoal.deploy import cli
+from shoal.deploy.status import format_status
 from tests.factories import make_tiny_checkpoint
 
 
@@ -50,7 +51,7 @@ def test_status_shows_the_expert_placement_and_the_wave() -> None:
             "current_wave": 7, "running": False,
         },
     }  # fmt: skip
-    lines = status.format_status(status).splitlines()
+    lines = format_status(status).splitlines()
     assert "expert parallel: 2 ranks, 8 experts; wave 7 paused" in lines
     assert "  rank 1: experts 4, 5, 6, 7" in lines
 
