@@ -33,7 +33,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -43,6 +49,10 @@ from shoal.client.routing import RoutingStats
 from shoal.engine.protocol import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Counters and histograms without their `_created` series, as vLLM serves them: a timestamp per
+# series doubles the output and no dashboard reads it.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -218,6 +228,19 @@ class ServerMetrics:
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds", "Time waiting in the engine.", _LATENCY_BUCKETS
         )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "First scheduled to first token (the prefill).",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to finished (prefill and decode).",
+            _LATENCY_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
         )
@@ -279,12 +302,12 @@ class ServerMetrics:
                 sequence of an `n > 1` request, whose prompt the usage bills once).
         """
         labels = (self.model_name, "" if rank is None else str(rank))
-        if count_prompt:
+        if count_prompt:  # per request, as vLLM counts it, not per sequence
             self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+            self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(num_generation_tokens)
         self.request_success.labels(*labels, finish_reason).inc()
         self.routed.labels(*labels).inc()
-        self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(num_generation_tokens)
         first, last = metrics.first_token_time, metrics.last_token_time
         if first is not None:
@@ -298,6 +321,15 @@ class ServerMetrics:
             self.e2e.labels(*labels).observe(metrics.finished_time - metrics.arrival_time)
         if metrics.queue_time is not None:
             self.queue_time.labels(*labels).observe(metrics.queue_time)
+            # The engine's first scheduling, on the front end's clock: arrival + queue time.
+            scheduled = metrics.arrival_time + metrics.queue_time
+            if first is not None:
+                self.prefill_time.labels(*labels).observe(max(0.0, first - scheduled))
+            if metrics.finished_time is not None:
+                inference = max(0.0, metrics.finished_time - scheduled)
+                self.inference_time.labels(*labels).observe(inference)
+        if first is not None and last is not None:
+            self.decode_time.labels(*labels).observe(last - first)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.client.outputs import RequestMetrics
@@ -107,6 +108,13 @@ def test_finished_sequences_feed_counters_and_histograms() -> None:
     samples = _samples(metrics)
     rank1 = (("engine", "1"), ("model_name", "m"))
     assert samples[("vllm:prompt_tokens_total", rank1)] == 7
+    assert samples[("vllm:request_prompt_tokens_count", rank1)] == 1  # n=2: one request
+    assert samples[("vllm:request_prompt_tokens_sum", rank1)] == 7
+    # Scheduled at 100.2 (arrival + queue), first token 100.5, last and finished 101.5.
+    assert samples[("vllm:request_prefill_time_seconds_sum", rank1)] == pytest.approx(0.6)
+    assert samples[("vllm:request_decode_time_seconds_sum", rank1)] == pytest.approx(2.0)
+    assert samples[("vllm:request_inference_time_seconds_sum", rank1)] == pytest.approx(2.6)
+    assert not any(name.endswith("_created") for name, _ in samples)
     assert samples[("vllm:generation_tokens_total", rank1)] == 10
     assert samples[("vllm:request_success_total", (*rank1[:1], ("finished_reason", "length"),
                                                    rank1[1]))] == 2  # fmt: skip

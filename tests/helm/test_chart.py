@@ -68,7 +68,14 @@ def test_readme_documents_every_value() -> None:
     readme = (CHART_DIR / "README.md").read_text()
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
 
-    free_form = {"resources", "rayStartParams", "readinessProbe", "autoscalerOptions"}
+    free_form = {
+        "resources",
+        "rayStartParams",
+        "readinessProbe",
+        "startupProbe",
+        "livenessProbe",
+        "autoscalerOptions",
+    }
 
     def leaves(node: Any, prefix: str) -> list[str]:
         if isinstance(node, dict) and node and prefix.rstrip(".").rsplit(".")[-1] not in free_form:
@@ -319,6 +326,13 @@ def test_service_reaches_the_heads_openai_and_metrics_ports() -> None:
     assert argv[argv.index("--port") + 1] == "8000"
     probe = rendered.head_container["readinessProbe"]
     assert probe["httpGet"] == {"path": "/health", "port": "http"}
+    # Liveness asks only whether the front end answers: ranks that restart never trip it.
+    for name in ("startupProbe", "livenessProbe"):
+        assert rendered.head_container[name]["httpGet"] == {"path": "/version", "port": "http"}
+    assert rendered.head_container["startupProbe"]["failureThreshold"] == 60
+    assert "securityContext" not in rendered.head_container
+    hardened = render_values({"head": {"securityContext": {"allowPrivilegeEscalation": False}}})
+    assert hardened.head_container["securityContext"] == {"allowPrivilegeEscalation": False}
 
     monitor = rendered.one("ServiceMonitor")
     assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"}
@@ -339,6 +353,10 @@ def test_api_key_reaches_shoal_from_a_secret_never_on_the_command_line() -> None
     }
     assert "sk-test-1234" not in rendered.manifests["shoal/templates/raycluster.yaml"]
     assert "--api-key" not in rendered.serve_argv()
+    # NOTES say how to read the key back from its Secret, never the key itself.
+    notes = rendered.manifests["shoal/templates/NOTES.txt"]
+    assert f"kubectl get secret {secret['metadata']['name']} -n {NAMESPACE}" in notes
+    assert "{.data.api-key}" in notes and "sk-test-1234" not in notes
 
     existing = render("api-key-existing-secret")
     assert existing.of_kind("Secret") == []
