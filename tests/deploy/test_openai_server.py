@@ -328,6 +328,8 @@ def test_metrics_parse_and_add_up_to_the_usage_returned(
         "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
         "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count",
         "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+        "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
     ):  # fmt: skip
         assert total(samples, name, model_name=MODEL_NAME) > 0, name
     for rank in ("0", "1"):
