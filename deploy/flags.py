@@ -44,11 +44,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Refuse(argparse.Action):
-    """Ends parsing with one line (exit 2): the flag's feature is missing in shoal."""
+class _ReasonedAction(argparse.Action):
+    """A flag that may end parsing with one line (exit 2) saying `reason`."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         self.reason: str = kwargs.pop("reason")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def refuse(self, parser: argparse.ArgumentParser, what: str) -> None:
+        parser.exit(2, f"{parser.prog}: {what}: {self.reason}\n")
+
+
+class _Refuse(_ReasonedAction):
+    """Ends parsing with one line (exit 2): the flag's feature is missing in shoal."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "?")
         kwargs.setdefault("default", argparse.SUPPRESS)  # never in the namespace
         kwargs.setdefault("metavar", "VALUE")
@@ -61,15 +71,11 @@ class _Refuse(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        parser.exit(2, f"{parser.prog}: {option_string} is not supported: {self.reason}\n")
+        self.refuse(parser, f"{option_string} is not supported")
 
 
-class _Only(argparse.Action):
+class _Only(_ReasonedAction):
     """A flag shoal accepts at its default value only; another ends parsing with one line."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        self.reason: str = kwargs.pop("reason")
-        super().__init__(option_strings, dest, **kwargs)
 
     def __call__(
         self,
@@ -79,7 +85,7 @@ class _Only(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         if values != self.default:
-            parser.exit(2, f"{parser.prog}: {option_string} {values}: {self.reason}\n")
+            self.refuse(parser, f"{option_string} {values}")
         setattr(namespace, self.dest, values)
 
 
