@@ -14,7 +14,7 @@ snapshot already includes.
 Both sockets are CURVE servers under the coordinator's key pair, made at launch: the PULL takes
 reports only from the ranks' keys (admitted before each rank starts, `admit_engine`), the XPUB
 serves only attached clients' keys (`admit_client`, from the registry); a forged report or a
-stranger's subscription is closed at its handshake (`shoal.engine.curve`).
+stranger's subscription is closed at its handshake (`shoal.engine.core.curve`).
 
 Restarts: Ray restarts a coordinator that dies. The new one binds the addresses its
 predecessor published in the registry, so engines' PUSH and clients' SUB sockets reconnect
@@ -39,7 +39,7 @@ from ray.actor import ActorProxy
 
 from shoal.actors.membership import Membership
 from shoal.actors.names import REGISTRY_NAME
-from shoal.engine.curve import (
+from shoal.engine.core.curve import (
     STATS_IN_DOMAIN,
     STATS_OUT_DOMAIN,
     CurveKeyPair,

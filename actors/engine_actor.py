@@ -22,13 +22,13 @@ from shoal.actors.membership import Membership, registration_token
 from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
 from shoal.engine.config import EngineConfig
-from shoal.engine.core_proc import EngineCoreProc
-from shoal.engine.curve import CurveKeyPair, EngineKeys
-from shoal.engine.distributed import Rendezvous
-from shoal.engine.elastic import ScaleNotice, ScalePlan
+from shoal.engine.core.core_proc import EngineCoreProc
+from shoal.engine.core.curve import CurveKeyPair, EngineKeys
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
 from shoal.engine.loader import load_model_arch
+from shoal.engine.parallel.distributed import Rendezvous
+from shoal.engine.parallel.elastic import ScaleNotice, ScalePlan
+from shoal.engine.parallel.expert_parallel import ExpertPlacement, check_expert_parallel
 from shoal.engine.protocol import EngineEndpoint
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -91,7 +91,7 @@ class EngineCoreActor:
         # A new identity per incarnation: clients must never confuse a restarted rank's
         # connection with the dead one's.
         identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
-        # The rank's key pair (`shoal.engine.curve`): clients learn its public half from the
+        # The rank's key pair (`shoal.engine.core.curve`): clients learn its public half from the
         # endpoint it registers.
         own_keys = rank_keys or CurveKeyPair.generate()
         keys = EngineKeys(
@@ -195,7 +195,7 @@ class EngineCoreActor:
         """Pushes stats reports to `address` from now on (the coordinator moved)."""
         self.proc.set_stats_address(address)
 
-    # --- resizes (`shoal.cluster.elastic` drives them; `shoal.engine.elastic` has the states) --
+    # --- resizes (`shoal.cluster.elastic` drives them; `shoal.engine.parallel.elastic` has the states) --
 
     @ray.method
     def prepare_scale(self, plan: ScalePlan) -> None:

@@ -12,7 +12,7 @@ import hmac
 from dataclasses import dataclass, field
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import CurveKeyPair
+from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.protocol import EngineEndpoint
 
 

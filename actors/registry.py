@@ -398,7 +398,7 @@ class RegistryActor(ResizeMethods):
         """Where expert-parallel ranks form their groups: a TCPStore this actor serves.
 
         Asked by every rank as it starts (again after a restart); the ranks keep their group
-        generations in the store (`shoal.engine.distributed`).
+        generations in the store (`shoal.engine.parallel.distributed`).
 
         Args:
             host: the asking rank's bind address: a loopback one keeps the store on loopback,

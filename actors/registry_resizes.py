@@ -22,8 +22,8 @@ from shoal.actors.scale_state import (
     ScaleInProgressError,
     ScaleRecord,
 )
-from shoal.engine.distributed import ABORT_KEY
-from shoal.engine.elastic import ScalePlan
+from shoal.engine.parallel.distributed import ABORT_KEY
+from shoal.engine.parallel.elastic import ScalePlan
 
 logger = logging.getLogger(__name__)
 

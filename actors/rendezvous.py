@@ -2,7 +2,7 @@
 
 The registry hosts one per cluster and hands its address to every rank that starts (again
 after each restart); the ranks keep their generations and wake keys in it
-(`shoal.engine.distributed`, `shoal.engine.dp_wave`). It lives as long as the registry: a
+(`shoal.engine.parallel.distributed`, `shoal.engine.parallel.dp_wave`). It lives as long as the registry: a
 registry that Ray restarts serves a new store, and ranks that lose the old one restart too.
 """
 

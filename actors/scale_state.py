@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.elastic import ScalePlan
+from shoal.engine.parallel.elastic import ScalePlan
 
 # A scale whose driver stopped renewing it (it died) frees the lock after this long.
 SCALE_LEASE_S = 120.0

@@ -12,7 +12,7 @@ vLLM runs from `.bench/vllm-venv` on `.bench/smollm2-135m` (both made by
 `bench/setup_vllm_peer.sh`) with `VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 VLLM_CPU_KVCACHE_SPACE=4`; shoal serves the GGUF those weights were converted from, whose
 Q4_1 / Q8_0 blocks its decode steps of few rows compute from (the same weight values; see
-`engine/quant_matmul_kernel.py`). `--with-dense` adds shoal on vLLM's own safetensors directory
+`engine/kernels/quant_matmul.py`). `--with-dense` adds shoal on vLLM's own safetensors directory
 (fp32 weights only) as a third engine.
 
     .venv/bin/python bench/engine_vs_vllm.py [--rounds 2] [--parts offline,single]
@@ -81,7 +81,7 @@ def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
     from shoal.client import SamplingParams
     from shoal.engine import config as engine_config
     from shoal.engine.config import EngineConfig
-    from shoal.engine.engine_core import EngineCore
+    from shoal.engine.core.engine_core import EngineCore
     from shoal.engine.loader import smollm2_gguf_path
     from shoal.engine.protocol import EngineCoreRequest
 

@@ -36,11 +36,11 @@ from torch.distributed import TCPStore
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.distributed import ProcessGroups, Rendezvous
-from shoal.engine.engine_process import start_engine_process, stop_engine_process
-from shoal.engine.expert_parallel import ExpertParallel, ExpertPlacement
+from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
+from shoal.engine.model.mixtral import MixtralMoE
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.models.mixtral import MixtralMoE
+from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
+from shoal.engine.parallel.expert_parallel import ExpertParallel, ExpertPlacement
 from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

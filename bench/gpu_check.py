@@ -26,7 +26,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.engine.attention.cases import MIXED_CHUNKS, PagedStep
+from tests.engine.model.attention.cases import MIXED_CHUNKS, PagedStep
 from tests.engine.model_utils import (
     BlockPool,
     Driver,
@@ -110,8 +110,8 @@ def greedy_vs_hf(model: Any, runner: Any, prompts: list[list[int]], n: int) -> s
 
 
 def triton_vs_reference(device: str, num_heads: int, num_kv_heads: int, head_dim: int) -> str:
-    from shoal.engine.attention import select_attention_backend
-    from shoal.engine.attention.torch_sdpa import TorchSDPABackend
+    from shoal.engine.model.attention import select_attention_backend
+    from shoal.engine.model.attention.torch_sdpa import TorchSDPABackend
 
     chunks = MIXED_CHUNKS + [(2000, 1)] * 8 + [(0, 700), (1500, 300)]
     errors = []

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.engine_vs_vllm import make_workload
 from shoal.client import SamplingParams
 from shoal.engine.config import EngineConfig
-from shoal.engine.engine_core import EngineCore
+from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.loader import smollm2_gguf_path
 from shoal.engine.protocol import EngineCoreRequest
 

@@ -2,11 +2,11 @@
 
 Every projection of SmolLM2-135M (the 210 of its 30 layers, then the LM head) is multiplied
 by an [M, K] input, once from its Q4_1 / Q8_0 blocks with the CPU kernel
-(`engine/quant_matmul_kernel.py`) and once from the oneDNN-packed fp32 weights the engine
+(`engine/kernels/quant_matmul.py`) and once from the oneDNN-packed fp32 weights the engine
 uses otherwise, alternating, best of `--repeats`. A pass over all layers reads every weight
 once, as a decode step does, so the weights come from memory, not from cache. On x86 the
 kernel's build without AVX-512 (its 8-row tiles) runs as a third column. The crossover is
-where `shoal_quant_max_rows` in `engine/csrc/quant_matmul.c` comes from.
+where `shoal_quant_max_rows` in `engine/kernels/csrc/quant_matmul.c` comes from.
 
     .venv/bin/python bench/quant_matmul.py [--rows 1,2,4,8,16,32,64,128] [--repeats 3]
 """
@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from shoal.engine.loader import load_blocks, load_weights, smollm2_gguf_path
-from shoal.engine.models.layers import pack_weight, packed_linear
-from shoal.engine.paged_attention_kernel import build_kernel
-from shoal.engine.quant_matmul_kernel import (
+from shoal.engine.kernels.paged_attention import build_kernel
+from shoal.engine.kernels.quant_matmul import (
     SOURCE_PATH,
     QuantizedWeight,
     QuantMatmulKernel,
     load_quant_kernel,
 )
+from shoal.engine.loader import load_blocks, load_weights, smollm2_gguf_path
+from shoal.engine.model.layers import pack_weight, packed_linear
 
 HEAD = "model.embed_tokens.weight"  # tied: the LM head's weights
 

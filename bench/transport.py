@@ -67,9 +67,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shoal.client.async_llm import AsyncLLM
 from shoal.client.core_client import AsyncMPClient
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import CurveKeyPair, EngineKeys
-from shoal.engine.engine_core import EngineCore
-from shoal.engine.engine_process import start_engine_process, stop_engine_process
+from shoal.engine.core.curve import CurveKeyPair, EngineKeys
+from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,

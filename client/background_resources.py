@@ -19,7 +19,7 @@ import zmq
 
 from shoal.client.engine_monitor import EngineMonitor
 from shoal.client.engine_set import EngineIdentity, EngineSet
-from shoal.engine.engine_process import stop_engine_process
+from shoal.engine.core.engine_process import stop_engine_process
 from shoal.engine.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from shoal.cluster.launch import (
     registry_answers_again,
 )
 from shoal.cluster.launch import attach as attach_cluster
-from shoal.engine.curve import CurveKeyPair
+from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.errors import EngineDeadError, ModelLoadError
 from shoal.engine.protocol import EngineEndpoint, EngineFacts
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer

@@ -34,8 +34,8 @@ from shoal.client.lb_policy import (
 )
 from shoal.client.routing import RequestRouter
 from shoal.engine.block_hash import prompt_routing_keys
-from shoal.engine.elastic import RECONFIGURED, SHUTDOWN_COMPLETE, ScaleNotice
 from shoal.engine.errors import EngineDeadError, RequestError
+from shoal.engine.parallel.elastic import RECONFIGURED, SHUTDOWN_COMPLETE, ScaleNotice
 from shoal.engine.protocol import (
     DPStatsSnapshot,
     EngineCoreOutput,
@@ -216,7 +216,7 @@ class DPAsyncMPClient(AsyncMPClient):
 
     async def eep_process_engine_core_notification(self, notification: Sequence[Any]) -> None:
         """Handles an elastic notification `(kind, ScaleNotice)` sent on
-        `EEP_NOTIFICATION_CALL_ID` (the protocol is in `shoal.engine.elastic`).
+        `EEP_NOTIFICATION_CALL_ID` (the protocol is in `shoal.engine.parallel.elastic`).
 
         SHUTDOWN_COMPLETE: the rank takes no new requests (`_on_rank_released` hands its
         released ones over). RECONFIGURED: a resize committed. Either way the listeners hear

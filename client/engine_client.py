@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from shoal.engine.elastic import ScaleNotice
 from shoal.engine.errors import EngineDeadError
+from shoal.engine.parallel.elastic import ScaleNotice
 from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -19,7 +19,7 @@ from shoal.client.output_processor import OutputProcessor
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, as_prompt_list, chat_prompt, tokenize_prompt
 from shoal.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from shoal.engine.engine_core import EngineCore
+from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -25,8 +25,8 @@ from shoal.client.background_resources import CLOSE_LINGER_MS, BackgroundResourc
 from shoal.client.engine_monitor import EngineMonitor
 from shoal.client.engine_set import EngineIdentity, EngineSet
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
-from shoal.engine.engine_process import start_engine_process, stop_engine_process
+from shoal.engine.core.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
+from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     EngineCoreOutputs,
@@ -93,7 +93,7 @@ class MPClient:
         processes: engine processes this client launched (watched, and stopped on close).
         hello_timeout_s: how long to wait for each engine's HELLO answer.
         curve_keys: this client's CURVE key pair, for engines that authenticate their clients
-            (`shoal.engine.curve`); the engines must have admitted its public key.
+            (`shoal.engine.core.curve`); the engines must have admitted its public key.
 
     Raises:
         EngineAttachError: an engine refused this client.

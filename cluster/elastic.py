@@ -17,7 +17,7 @@ One function drives every door (`AsyncLLM.scale_elastic_ep`, `shoal scale`, the 
     UNLOCK
 
 Released requests move, through their clients, to a surviving rank with their tokens so far
-(`shoal.engine.elastic`). Any failure before the commit rolls back: the new set's joins are
+(`shoal.engine.parallel.elastic`). Any failure before the commit rolls back: the new set's joins are
 aborted, the old ranks go back to the old set, new actors and their placement groups are
 removed, leaving ranks serve again, the lock is released, and `ScaleError` says why.
 """
@@ -43,10 +43,10 @@ from shoal.cluster.launch import (
 )
 from shoal.cluster.placement import live_placement_group_names, placement_group_name
 from shoal.engine.config import EngineConfig
-from shoal.engine.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.expert_parallel import ExpertPlacement, check_expert_parallel
 from shoal.engine.loader import load_model_arch
+from shoal.engine.parallel.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
+from shoal.engine.parallel.expert_parallel import ExpertPlacement, check_expert_parallel
 
 logger = logging.getLogger(__name__)
 

@@ -52,10 +52,10 @@ from shoal.cluster.placement import (
     remove_cluster_placement_groups,
 )
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import CurveKeyPair
+from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.expert_parallel import check_expert_parallel
 from shoal.engine.loader import load_model_arch
+from shoal.engine.parallel.expert_parallel import check_expert_parallel
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-# `--attention-backend` choices, spelled as vLLM spells them (shoal.engine.attention.selector).
+# `--attention-backend` choices, spelled as vLLM spells them (shoal.engine.model.attention.selector).
 ATTENTION_BACKENDS = ("CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN")
 
 

@@ -3,7 +3,7 @@
 Every struct here crosses a ZMQ socket. They are `array_like` (encoded as msgpack arrays, so
 field order is the format) and `omit_defaults`; new fields are only ever appended, with
 defaults, so an older peer still decodes a newer frame. Framing (one-byte request types,
-out-of-band tensor frames) is described in `shoal.engine.serial` and `shoal.engine.core_proc`.
+out-of-band tensor frames) is described in `shoal.engine.serial` and `shoal.engine.core.core_proc`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class EngineCoreRequestType(enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    # b"\x02" is not used: DP waves start through the ranks' own store (`engine/dp_wave.py`).
+    # b"\x02" is not used: DP waves start through the ranks' own store (`engine/parallel/dp_wave.py`).
     UTILITY = b"\x03"
     HELLO = b"\x04"
     GOODBYE = b"\x05"
@@ -404,7 +404,7 @@ class EngineStatsReport(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # gone (it was paused or cut off too long) and dropped its requests.
     attached_clients: list[int] = msgspec.field(default_factory=list)
     attaches_seen: int = 0
-    # DP waves of an expert-parallel rank (`shoal.engine.dp_wave`): the wave it is in or
+    # DP waves of an expert-parallel rank (`shoal.engine.parallel.dp_wave`): the wave it is in or
     # paused before, whether that wave runs, and the dummy forwards it has run so far.
     current_wave: int = 0
     is_wave_running: bool = False

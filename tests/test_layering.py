@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,71 @@ def test_client_transport_needs_no_ray() -> None:
         "engine_set.py",
     ):
         assert "ray" not in _imported(ROOT / "client" / name), f"client/{name} imports ray"
+
+
+# Inside engine/: each part imports only the parts before it (engine/__init__.py).
+ENGINE_PARTS = ("kernels", "shared", "parallel", "model", "core")
+TORCH_FREE = ("scheduler", "kv_cache", "block_pool", "request", "protocol", "tokenizer")
+
+
+def _engine_part(dotted: str) -> str | None:
+    """`shoal.engine.x.y` -> the part of engine/ that holds it; None outside engine/."""
+    parts = dotted.split(".")
+    if parts[:2] != ["shoal", "engine"]:
+        return None
+    if len(parts) > 2 and parts[2] in ("kernels", "parallel", "model", "core"):
+        return parts[2]
+    return "shared"
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """Every `shoal.engine...` module a file imports, local imports included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "shoal.engine":
+                names.update(f"shoal.engine.{alias.name}" for alias in node.names)
+            else:
+                names.add(node.module)
+    return {name for name in names if name.startswith("shoal.engine")}
+
+
+def _engine_offenders(root: Path) -> list[str]:
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        dotted = "shoal.engine." + ".".join(path.relative_to(root).with_suffix("").parts)
+        own = _engine_part(dotted)
+        assert own is not None
+        allowed = set(ENGINE_PARTS[: ENGINE_PARTS.index(own) + 1])
+        for name in sorted(_engine_imports(path)):
+            part = _engine_part(name)
+            if part is not None and part not in allowed:
+                offenders.append(f"{path.relative_to(root)} ({own}) imports {name} ({part})")
+    return offenders
+
+
+def test_engine_parts_import_only_earlier_parts() -> None:
+    assert not _engine_offenders(ROOT / "engine")
+
+
+def test_the_engine_rule_catches_a_model_importing_core(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "runner.py").write_text(
+        "def f():\n    from shoal.engine.core.core_io import X\n"
+    )
+    (tmp_path / "scheduler.py").write_text("from shoal.engine import model_arch\n")
+    assert _engine_offenders(tmp_path) == [
+        "model/runner.py (model) imports shoal.engine.core.core_io (core)"
+    ]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_scheduling_and_the_kv_cache_need_no_torch(module: str) -> None:
+    """The scheduler's side of the engine runs without torch, in a fresh interpreter."""
+    code = f"import sys, shoal.engine.{module}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

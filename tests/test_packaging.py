@@ -38,7 +38,7 @@ def test_the_wheel_holds_shoal_and_its_metadata_only(wheel: Path) -> None:
     # Every layer is there, with the kernel source the engine compiles on first use.
     for layer in ("engine", "client", "actors", "cluster", "deploy"):
         assert f"shoal/{layer}/__init__.py" in names
-    assert "shoal/engine/csrc/paged_attention.c" in names
+    assert "shoal/engine/kernels/csrc/paged_attention.c" in names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))
     )
@@ -69,7 +69,7 @@ def test_a_fresh_venv_with_the_wheel_imports_the_public_api(wheel: Path, tmp_pat
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = (
         "import shoal; from shoal import LLM, AsyncLLM, SamplingParams; "
-        "import shoal.deploy.cli, shoal.engine.core_proc; print(shoal.__file__)"
+        "import shoal.deploy.cli, shoal.engine.core.core_proc; print(shoal.__file__)"
     )
     result = subprocess.run(
         [str(python), "-c", probe], cwd=outside, env=env, capture_output=True, text=True

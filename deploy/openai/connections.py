@@ -32,7 +32,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shoal.deploy.openai.errors import OpenAIError, error_body
-from shoal.engine.rate_limit import WARN_INTERVAL_S, LogRateLimiter
+from shoal.engine.core.rate_limit import WARN_INTERVAL_S, LogRateLimiter
 
 logger = logging.getLogger("shoal.api_server")
 _warnings = LogRateLimiter(logger)

@@ -39,7 +39,7 @@ from shoal.deploy.openai.state import ServerState
 from shoal.deploy.openai.tools import ToolCallConfig, add_tool_args, tool_config_from_args
 from shoal.deploy.preflight import bind_http_port, check_not_negative
 from shoal.deploy.ray_connection import add_ray_args, connect_ray
-from shoal.engine.connection_gate import raise_open_file_limit
+from shoal.engine.core.connection_gate import raise_open_file_limit
 
 logger = logging.getLogger("shoal.api_server")
 

@@ -26,7 +26,7 @@ from shoal.engine.model_arch import ModelArch
 if TYPE_CHECKING:
     import torch
 
-    from shoal.engine.quant_matmul_kernel import QuantizedWeight
+    from shoal.engine.kernels.quant_matmul import QuantizedWeight
 
 __all__ = [
     "SafetensorsReader",

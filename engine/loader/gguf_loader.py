@@ -16,10 +16,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shoal.engine.errors import ModelLoadError
+from shoal.engine.kernels.quant_matmul import QuantizedWeight, is_quantizable
 from shoal.engine.loader.gguf_arch import model_arch_from_gguf
 from shoal.engine.loader.gguf_file import GGUFFile, read_gguf
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.quant_matmul_kernel import QuantizedWeight, is_quantizable
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",

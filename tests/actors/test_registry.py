@@ -14,7 +14,7 @@ from shoal.actors.engine_liveness import ENGINE_WATCH_METHOD
 from shoal.actors.membership import RankState, registration_digest, registration_token
 from shoal.actors.registry import RegistryActor
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import CurveKeyPair
+from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.protocol import EngineEndpoint
 from tests.ray_utils import unique_namespace
 

@@ -13,7 +13,7 @@ from shoal.actors.membership import RankState
 from shoal.actors.registry import RegistryActor
 from shoal.actors.scale_state import ScaleInProgressError
 from shoal.engine.config import EngineConfig
-from shoal.engine.elastic import ScalePlan
+from shoal.engine.parallel.elastic import ScalePlan
 from shoal.engine.protocol import EngineEndpoint
 from tests.ray_utils import unique_namespace
 

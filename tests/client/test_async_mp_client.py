@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from shoal.client.core_client import AsyncMPClient, EngineUtilityError
-from shoal.engine.engine_core import EngineCore
+from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,

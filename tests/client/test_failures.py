@@ -18,7 +18,7 @@ import zmq
 
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.client.core_client import AsyncMPClient, SyncMPClient
-from shoal.engine.engine_process import start_engine_process, stop_engine_process
+from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import (
     EngineCoreOutputs,

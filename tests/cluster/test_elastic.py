@@ -21,7 +21,7 @@ from shoal.cluster.elastic import ScaleError, ScaleInProgressError, scale
 from shoal.cluster.launch import ClusterHandle, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig
-from shoal.engine.elastic import RECONFIGURED
+from shoal.engine.parallel.elastic import RECONFIGURED
 from tests.cluster.elastic_load import Load, Served
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace

@@ -23,7 +23,7 @@ from shoal.cluster.launch import (
 )
 from shoal.cluster.placement import RankResources, live_placement_group_names
 from shoal.engine.config import EngineConfig
-from shoal.engine.curve import CurveKeyPair
+from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace

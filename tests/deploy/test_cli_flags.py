@@ -120,10 +120,9 @@ def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
 
 def test_a_served_name_list_answers_to_every_name() -> None:
     state = ServerState(
-        llm=None,  # type: ignore[arg-type]
+        current_llm=None,
         model_name="llama",
         api_key=None,
-        metrics=None,  # type: ignore[arg-type]
         served_model_names=("llama", "meta-llama/Llama-3.2-1B"),
     )
     state.check_model("llama")

@@ -107,8 +107,8 @@ def test_the_copied_tree_builds_a_wheel_holding_every_layer(tmp_path: Path) -> N
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "dist").glob("shoal-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("engine/engine_core.py", "actors/registry.py", "cluster/launch.py",
-                   "client/async_llm.py", "deploy/serve.py", "engine/csrc/paged_attention.c"):  # fmt: skip
+    for module in ("engine/core/engine_core.py", "actors/registry.py", "cluster/launch.py",
+                   "client/async_llm.py", "deploy/serve.py", "engine/kernels/csrc/paged_attention.c"):  # fmt: skip
         assert f"shoal/{module}" in names
 
 

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core_proc import EngineCoreProc
+from shoal.engine.core.core_proc import EngineCoreProc
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,

@@ -13,11 +13,11 @@ import torch
 import transformers
 
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from shoal.engine.model.model_runner import ModelRunner
+from shoal.engine.model.sampler import Sampler, SamplerOutput
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.model_runner import ModelRunner
 from shoal.engine.protocol import SamplingParams
 from shoal.engine.request import Request
-from shoal.engine.sampler import Sampler, SamplerOutput
 from shoal.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.tolerances import decoder_reduction_length, reordering_tolerance
 

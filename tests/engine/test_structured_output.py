@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.engine_core import EngineCore
+from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.model.sampler import Sampler
 from shoal.engine.protocol import (
     EngineCoreRequest,
     FinishReason,
@@ -24,7 +25,6 @@ from shoal.engine.protocol import (
     StructuredOutputsParams,
 )
 from shoal.engine.request import Request
-from shoal.engine.sampler import Sampler
 from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 from tests.factories import make_tiny_checkpoint
 

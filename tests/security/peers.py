@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from shoal.engine.curve import (
+from shoal.engine.core.curve import (
     ClientCurve,
     CurveKeyPair,
     EngineKeys,

@@ -7,10 +7,10 @@ import queue
 
 import zmq
 
-from shoal.engine.core_io import InputThread, close_monitored
+from shoal.engine.core.core_io import InputThread, close_monitored
+from shoal.engine.core.work_items import AttachClient, DetachClient, InputItem
 from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequestType, EngineFacts, EngineHello
 from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder
-from shoal.engine.work_items import AttachClient, DetachClient, InputItem
 
 FACTS = EngineFacts(0, b"engine-0", "tiny", 128, 10, 16, 512)
 

@@ -21,7 +21,7 @@ import zmq
 from shoal.actors.coordinator import CoordinatorActor
 from shoal.client.core_client import SyncMPClient
 from shoal.client.mp_client import EngineAttachError
-from shoal.engine.curve import CurveKeyPair, EngineKeys, curve_client
+from shoal.engine.core.curve import CurveKeyPair, EngineKeys, curve_client
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,
     DPStatsSnapshot,

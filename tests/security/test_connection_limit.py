@@ -1,6 +1,6 @@
 """An engine holds a bounded number of connections: past the cap a handshake that proves no
 cluster key is refused at once (ZAP status 400), while the cluster's own clients still get in
-(`shoal.engine.connection_gate`)."""
+(`shoal.engine.core.connection_gate`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from contextlib import ExitStack, contextmanager
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shoal.engine.curve import CurveKeyPair, curve_client
+from shoal.engine.core.curve import CurveKeyPair, curve_client
 from tests.engine.core_proc_utils import running_engine, tiny_config
 from tests.security.peers import closed_engine
 

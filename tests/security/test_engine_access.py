@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from shoal.client.core_client import AsyncMPClient, EngineAttachError, SyncMPClient
-from shoal.engine.curve import CurveKeyPair, curve_client
+from shoal.engine.core.curve import CurveKeyPair, curve_client
 from shoal.engine.errors import RequestError
 from shoal.engine.protocol import EngineHello, FinishReason, SamplingParams
 from tests.engine.core_proc_utils import request
@@ -61,7 +61,7 @@ def test_an_unknown_key_is_refused_and_logged_once(
     stranger = CurveKeyPair.generate()
     ctx = zmq.Context()
     try:
-        with caplog.at_level(logging.WARNING, logger="shoal.engine.curve"):
+        with caplog.at_level(logging.WARNING, logger="shoal.engine.core.curve"):
             for _ in range(5):  # the same stranger comes back again and again
                 router = ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
@@ -211,7 +211,7 @@ def test_dropped_frames_are_logged_at_a_bounded_rate(
 ) -> None:
     peer = closed.attached_peer(1)
     try:
-        with caplog.at_level(logging.WARNING, logger="shoal.engine.core_io"):
+        with caplog.at_level(logging.WARNING, logger="shoal.engine.core.core_io"):
             for i in range(2000):
                 peer.send(ADD.value, b"\xc1 not msgpack %d" % i)
             assert peer.call("echo", "after").result.result == "after"  # type: ignore[union-attr]

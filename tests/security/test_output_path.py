@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from shoal.engine import core_io, core_output
+from shoal.engine.core import core_io, core_output
 from shoal.engine.protocol import EngineHello, FinishReason
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, running_engine, tiny_config
 from tests.security.peers import ADD, HELLO, ClosedEngine, KeyedPeer, closed_engine

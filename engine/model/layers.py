@@ -1,0 +1,400 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, the SiLU-gated MLP,
+and the name -> tensor map that loads HF-named checkpoint tensors into (possibly fused) params.
+
+Knows nothing about requests, the KV cache or the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.engine.errors import ModelLoadError
+from shoal.engine.kernels.quant_matmul import QuantizedWeight, QuantMatmulKernel
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised frozen parameter; `load_weights` fills it."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN-packed weights are available: CPU, float32 or bfloat16."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+# A oneDNN packed matmul costs about 10 us more per call than `F.linear` and only wins once the
+# weight is large (even at ~65k elements, ahead from ~200k; 4-64 rows, one thread, torch 2.13):
+# smaller weights, as in tiny test models, stay dense.
+MIN_PACKED_WEIGHT_NUMEL = 1 << 16
+
+
+def is_worth_packing(weight: torch.Tensor) -> bool:
+    return weight.numel() >= MIN_PACKED_WEIGHT_NUMEL
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN blocked copy of a [out, in] weight (an opaque mkldnn tensor)."""
+    # The batch-size hint only picks the blocking; any number of rows works afterwards.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+def assign_blocks(
+    slots: BlockSlots, blocks: Iterable[tuple[str, QuantizedWeight]], kernel: QuantMatmulKernel
+) -> int:
+    """Hands each projection the GGUF blocks of all its parts (a fused projection's parts are
+    stacked in order); a projection missing a part, or whose parts differ in type, keeps its
+    dense weight only. Returns how many projections took blocks.
+
+    Args:
+        slots: HF name → (projection, part index, number of parts).
+        blocks: (HF name, blocks) pairs; names without a slot are ignored.
+        kernel: the loaded kernel.
+
+    Raises:
+        ModelLoadError: blocks whose shape is not their projection's.
+    """
+    parts: dict[Linear, dict[int, QuantizedWeight]] = {}
+    for name, weight in blocks:
+        if name in slots:
+            linear, index, _ = slots[name]
+            parts.setdefault(linear, {})[index] = weight
+    counts = {linear: count for linear, _, count in slots.values()}
+    loaded = 0
+    for linear, by_index in parts.items():
+        if len(by_index) != counts[linear]:
+            continue
+        try:
+            fused = QuantizedWeight.concat([by_index[i] for i in range(counts[linear])])
+        except ValueError:
+            continue
+        linear.use_blocks(kernel, fused)
+        loaded += 1
+    return loaded
+
+
+@runtime_checkable
+class Packable(Protocol):
+    def pack(self) -> None:
+        """Swaps dense weights for oneDNN-packed copies (CPU only; see `can_pack_weights`)."""
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). The dense weight is what checkpoints load into (possibly by slices of a
+    fused weight); on CPU `pack()` then swaps it for oneDNN's blocked layout, which runs the
+    small-batch matmuls of decode steps markedly faster than the default BLAS path."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
+        # The checkpoint's GGUF blocks, for steps of few rows (`shoal.engine.kernels.quant_matmul`).
+        self.quantized: tuple[QuantMatmulKernel, QuantizedWeight] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized[0].max_rows:
+            kernel, blocks = self.quantized
+            return kernel.linear(x, blocks, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def use_blocks(self, kernel: QuantMatmulKernel, blocks: QuantizedWeight) -> None:
+        """Computes steps of at most `kernel.max_rows` rows from `blocks` (the same weights,
+        as GGUF stores them); larger steps keep the dense weight.
+
+        Raises:
+            ModelLoadError: the blocks' shape is not this projection's.
+        """
+        expected = (self.out_features, self.in_features)
+        if (blocks.out_features, blocks.in_features) != expected:
+            raise ModelLoadError(
+                f"quantized blocks of {blocks.out_features}x{blocks.in_features} for a "
+                f"{expected[0]}x{expected[1]} projection"
+            )
+        self.quantized = (kernel, blocks)
+
+    def pack(self) -> None:
+        if not is_worth_packing(self.weight):
+            return
+        self.packed = pack_weight(self.weight)
+        # Only this module's reference goes: a tied embedding keeps its dense table.
+        del self.weight
+
+
+# HF tensor name → (the projection it is part of, its part index, the number of parts).
+BlockSlots = dict[str, tuple[Linear, int, int]]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (the pre-norm decoder pattern)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_param(hidden_size, dtype=dtype, device=device)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if residual is not None:
+            # In place: the running residual is this layer's alone (the sum it returned last).
+            x = residual.add_(x)
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Half precision: normalise in float32 and cast back before the weight, as HF does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies (float32) for default, linear and llama3 rope scaling.
+
+    Raises:
+        ModelLoadError: for a rope scaling type other than default, linear or llama3.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding over a precomputed cos/sin table indexed by position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        rope_scaling: dict[str, Any] | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
+        # float32 angles, then cast: the same rounding as HF's per-call computation.
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> RopeAngles:
+        """cos / sin rows [T, 1, D/2] for the step's positions, looked up once for all layers."""
+        return RopeAngles(
+            self.cos.index_select(0, positions).unsqueeze(1),
+            self.sin.index_select(0, positions).unsqueeze(1),
+        )
+
+
+class RopeAngles(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rotation of x [T, heads, D]; returns a new tensor."""
+        return _rotate(x, self.cos, self.sin)
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """The same rotation written over x (a view, e.g. into a fused qkv), rounded the same
+        way as `rotate`; returns x."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        x2_sin, x1_sin = x2 * self.sin, x1 * self.sin
+        x1.mul_(self.cos).sub_(x2_sin)
+        x2.mul_(self.cos).add_(x1_sin)
+        return x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class FeedForward(nn.Module):
+    """The MLP slot of a decoder layer: dense, or a mixture of experts."""
+
+    def weight_map(self, layer_prefix: str) -> WeightMap:
+        """Where each HF tensor under `layer_prefix` (e.g. "model.layers.3") goes."""
+        raise NotImplementedError
+
+    def block_slots(self, layer_prefix: str) -> BlockSlots:
+        """The projections that can compute from a checkpoint's GGUF blocks (none here)."""
+        return {}
+
+
+class GatedMLP(FeedForward):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(silu_and_mul(gate_up, self.intermediate_size))
+
+    def block_slots(self, layer_prefix: str) -> BlockSlots:
+        prefix = f"{layer_prefix}.mlp"
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return {
+            f"{prefix}.gate_proj.weight": (gate_up, 0, 2),
+            f"{prefix}.up_proj.weight": (gate_up, 1, 2),
+            f"{prefix}.down_proj.weight": (down, 0, 1),
+        }
+
+    def weight_map(self, layer_prefix: str) -> WeightMap:
+        """HF names under `{layer_prefix}.mlp`."""
+        size, prefix = self.intermediate_size, f"{layer_prefix}.mlp"
+        gate_up = self.gate_up_proj.weight
+        wm = WeightMap()
+        wm.add(f"{prefix}.gate_proj.weight", gate_up[:size])
+        wm.add(f"{prefix}.up_proj.weight", gate_up[size:])
+        wm.add(f"{prefix}.down_proj.weight", self.down_proj.weight)
+        return wm
+
+
+def silu_and_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    out = F.silu(gate_up[..., :size])
+    return out.mul_(gate_up[..., size:])
+
+
+# Buffers some checkpoints still carry; they are recomputed here, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class _Entry:
+    dest: torch.Tensor | None  # None: accepted and shape-checked, but not held by this rank
+    shape: tuple[int, ...]
+    select: Callable[[torch.Tensor], torch.Tensor] | None
+    covers: tuple[str, ...]  # required names this tensor satisfies (itself when empty)
+
+
+@dataclass
+class WeightMap:
+    """HF tensor name -> where its data goes (a param or a slice of a fused param).
+
+    `required` names must all be covered after loading. An alias (e.g. a fused expert tensor)
+    covers the required names it replaces, so a checkpoint may use either spelling.
+    """
+
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    required: set[str] = field(default_factory=set)
+
+    def add(
+        self,
+        name: str,
+        dest: torch.Tensor | None,
+        *,
+        shape: tuple[int, ...] | None = None,
+        select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        covers: tuple[str, ...] = (),
+        required: bool = True,
+    ) -> None:
+        if shape is None:
+            assert dest is not None, f"{name}: a skipped tensor needs an explicit shape"
+            shape = tuple(dest.shape)
+        self.entries[name] = _Entry(dest, shape, select, covers)
+        if required:
+            self.required.add(name)
+
+    def update(self, other: WeightMap) -> None:
+        self.entries.update(other.entries)
+        self.required |= other.required
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, skip: set[str]) -> None:
+        """Copies every tensor into place (casting dtype), then checks that nothing is missing.
+
+        Args:
+            weights: (HF name, tensor) pairs.
+            skip: names that are accepted and ignored (e.g. a tied lm_head).
+
+        Raises:
+            ModelLoadError: for an unknown name, a shape mismatch or a missing tensor.
+        """
+        covered: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name in skip or name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                entry = self.entries.get(name)
+                if entry is None:
+                    raise ModelLoadError(
+                        f"unexpected tensor {name!r} (shape {tuple(tensor.shape)})"
+                    )
+                if tuple(tensor.shape) != entry.shape:
+                    raise ModelLoadError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {entry.shape}"
+                    )
+                if entry.dest is not None:
+                    src = entry.select(tensor) if entry.select is not None else tensor
+                    entry.dest.copy_(src)
+                covered.update(entry.covers or (name,))
+        missing = sorted(self.required - covered)
+        if missing:
+            shown = ", ".join(f"{n} {self.entries[n].shape}" for n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
