@@ -1,8 +1,8 @@
 """The output IO thread of an `EngineCoreProc`: encodes outputs and pushes them to their client.
 
 It owns the per-client PUSH sockets and the stats PUSH, and lends them to the busy loop while it
-is idle (`send_or_submit`). The input side — the ROUTER and the client connection state
-machine — is `shoal.engine.core.core_io`.
+is idle (`send_or_submit`). The input side is `shoal.engine.core.core_io` (the ROUTER) and
+`shoal.engine.core.client_table` (the client connection state machine).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from shoal.engine.core.core_io import close_monitored
+from shoal.engine.core.client_table import close_monitored
 from shoal.engine.core.curve import CurveKeyPair, curve_client
 from shoal.engine.core.rate_limit import LogRateLimiter
 from shoal.engine.core.work_items import (
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Stats reports queued for a slow coordinator before new ones are dropped.
 STATS_SNDHWM = 64
-# A client whose PUSH queue is full (OUTPUT_SNDHWM in `shoal.engine.core.core_io`) gets a backlog
+# A client whose PUSH queue is full (OUTPUT_SNDHWM in `shoal.engine.core.client_table`) gets a backlog
 # of at most this many messages, kept for as long as its socket takes a message at least
 # this often; past either, the client is detached and its requests aborted.
 MAX_BACKLOG_MESSAGES = 1000

@@ -2,8 +2,9 @@
 
 The busy loop runs in whichever thread calls `run_busy_loop()` (a process's main thread, or a
 Ray actor's background thread); nothing here assumes the main thread or signals (the process
-that hosts one is `shoal.engine.core.engine_process`). Framing and connection handling live in
-`shoal.engine.core.core_io`.
+that hosts one is `shoal.engine.core.engine_process`). The input socket is
+`shoal.engine.core.input_socket`, its thread `shoal.engine.core.core_io`, the output thread
+`shoal.engine.core.core_output`, the stats schedule `shoal.engine.core.stats_reporter`.
 """
 
 from __future__ import annotations
@@ -11,31 +12,26 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core.connection_gate import MAX_CONNECTIONS, ConnectionGate, raise_open_file_limit
+from shoal.engine.core.connection_gate import MAX_CONNECTIONS
 from shoal.engine.core.core_io import UTILITY_METHODS, InputThread
 from shoal.engine.core.core_output import OutputThread
 from shoal.engine.core.curve import (
-    ENGINE_INPUT_DOMAIN,
     EngineKeys,
-    KeyRing,
-    ZapHandler,
     client_key_name,
-    curve_server,
-    open_server,
 )
 from shoal.engine.core.elastic_rank import ElasticRank
 from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.input_socket import InputSocket, Transport
+from shoal.engine.core.stats_reporter import StatsReporter
 from shoal.engine.core.step_watchdog import StepWatchdog
 from shoal.engine.core.work_items import (
     AbortRequests,
@@ -53,14 +49,12 @@ from shoal.engine.core.work_items import (
 )
 from shoal.engine.kv_events import with_kv_events
 from shoal.engine.parallel.distributed import Rendezvous
-from shoal.engine.parallel.dp_wave import JOIN_TIMEOUT_S, PAUSED_POLL_S, DPWave
+from shoal.engine.parallel.dp_wave import PAUSED_POLL_S, DPWave, make_dp_wave
 from shoal.engine.parallel.elastic import RECONFIGURED, ScaleNotice, ScalePlan
 from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EngineCoreOutputs,
     EngineEndpoint,
-    EngineStatsReport,
-    SchedulerStats,
     UtilityOutput,
     UtilityResult,
 )
@@ -68,22 +62,12 @@ from shoal.engine.serial import tag_structs
 
 logger = logging.getLogger(__name__)
 
-Transport = Literal["tcp", "ipc"]
-
-# Stats reports: no more often than this while the load changes...
-STATS_MIN_INTERVAL_S = 0.05
-# ...and at least this often as a heartbeat when it does not.
-STATS_MAX_INTERVAL_S = 1.0
 # Idle busy loop: how long to block on the input queue when nothing else is due.
 _IDLE_WAIT_S = 1.0
 # The exit status of an engine process ended by its step watchdog...
 STEP_TIMEOUT_EXIT_CODE = 70
 # ...after this long for its death notices to leave.
 _DEATH_NOTICE_FLUSH_S = 1.0
-# How long a connection to the input socket may take to complete its handshake.
-HANDSHAKE_IVL_MS = 5000
-# The largest message a peer may send (a prompt of a million tokens is ~5 MB).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class EngineCoreProc:
@@ -104,7 +88,7 @@ class EngineCoreProc:
 
     Engine → client (PUSH per client): one `EngineCoreOutputs` per message, or
     `[ENGINE_CORE_DEAD, b"<engine_index>"]` when the engine stops. A client's connection states
-    are documented on `shoal.engine.core.core_io._ClientConnection`.
+    are documented on `shoal.engine.core.client_table.ClientConnection`.
 
     Args:
         config: the engine's configuration.
@@ -147,47 +131,29 @@ class EngineCoreProc:
     ) -> None:
         self.engine_index = engine_index
         self.engine_core = EngineCore(config, engine_index=engine_index)
-        self._wave = _make_wave(self.engine_core, config, rendezvous, join=joining is None)
+        executor = self.engine_core.executor
+        self._wave = make_dp_wave(
+            executor.expert_parallel,
+            rendezvous,
+            device=executor.device,
+            timeout_s=config.parallel.collective_timeout_s,
+            join=joining is None,
+        )
         self._joining = joining
         self._identity = identity or f"engine-{engine_index}-{uuid.uuid4().hex[:8]}".encode()
         self._input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self._ctx = zmq.Context()
-        self._ipc_dir: str | None = None
-        raise_open_file_limit()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        # A peer that connects and never completes a handshake holds a descriptor this long.
-        router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._keys = keys
-        self._client_keys: KeyRing | None = None
-        # Every handshake on the input socket, with CURVE or without, passes the ZAP handler,
-        # which holds the connection cap (`shoal.engine.core.connection_gate`).
-        self._gate = ConnectionGate(
-            self._ctx, router, max_connections, f"engine {engine_index}'s input"
-        )
-        if keys is not None:
-            self._client_keys = KeyRing(
-                {client_key_name(i): key for i, key in keys.clients.items()}
-            )
-            curve_server(router, keys.engine, ENGINE_INPUT_DOMAIN)
-        else:
-            open_server(router, ENGINE_INPUT_DOMAIN)
-        self._zap = ZapHandler(
-            self._ctx,
-            {ENGINE_INPUT_DOMAIN: self._client_keys},
-            f"engine {engine_index}",
-            gates={ENGINE_INPUT_DOMAIN: self._gate},
-        )
-        self._zap.start()
-        self._input_address = self._bind(router, host, transport)
+        self._socket = InputSocket(self._ctx, engine_index, host, transport, keys, max_connections)
+        self._client_keys = self._socket.client_keys
+        self._input_address = self._socket.address
         facts = self.engine_core.facts(self._identity)
         # Clients to detach: the output thread's (they did not take their outputs in time)
         # and revoked ones.
         self._lagging: queue.SimpleQueue[tuple[int, int | None]] = queue.SimpleQueue()
         self._input_thread = InputThread(
             self._ctx,
-            router,
+            self._socket.router,
             facts,
             UTILITY_METHODS,
             self._input_queue,
@@ -207,11 +173,7 @@ class EngineCoreProc:
             stats_keys=stats_keys,
         )
         self._is_stats_enabled = stats_address is not None
-        self._last_stats: SchedulerStats | None = None
-        self._last_wave_facts: tuple[int, bool, int] | None = None
-        self._last_stats_time = 0.0  # when the last report was sent
-        self._next_stats_check = 0.0  # no look at the stats before this (rate limit)
-        self._is_stats_dirty = True
+        self._stats = StatsReporter(engine_index, self._identity)
         # Requests aborted because their client left: dropped from the next step's outputs so
         # the client, should it attach again, never sees them.
         self._orphan_ids: dict[int, set[str]] = {}
@@ -275,17 +237,6 @@ class EngineCoreProc:
             self._client_keys.revoke(client_key_name(client_index))
             self._lagging.put((client_index, None))
 
-    def _bind(self, router: zmq.Socket, host: str, transport: Transport) -> str:
-        if transport == "tcp":
-            port = router.bind_to_random_port(f"tcp://{host}")
-            return f"tcp://{host}:{port}"
-        if transport == "ipc":
-            self._ipc_dir = tempfile.mkdtemp(prefix="shoal-")
-            address = f"ipc://{self._ipc_dir}/engine-{self.engine_index}.sock"
-            router.bind(address)
-            return address
-        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
-
     # --- the busy loop ----------------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
@@ -323,7 +274,7 @@ class EngineCoreProc:
                     if watchdog is not None:
                         watchdog.step_finished()
                     self._queue_outputs(outputs)  # (2), (3)
-                    self._is_stats_dirty = True
+                    self._stats.is_dirty = True
                 if self._is_stats_enabled:
                     self._maybe_report_stats()  # (4)
         except Exception:
@@ -356,7 +307,7 @@ class EngineCoreProc:
         if watchdog is not None:
             watchdog.step_finished()
         self._queue_outputs(outputs)
-        self._is_stats_dirty = True
+        self._stats.is_dirty = True
         elastic.after_turn()
 
     def _process_input_queue(self) -> None:
@@ -375,14 +326,10 @@ class EngineCoreProc:
             return PAUSED_POLL_S
         if not self._is_stats_enabled:
             return _IDLE_WAIT_S
-        if self._is_stats_dirty:
-            wake_at = self._next_stats_check
-        else:
-            wake_at = self._last_stats_time + STATS_MAX_INTERVAL_S
-        return max(0.0, wake_at - time.monotonic())
+        return self._stats.wait_s()
 
     def _handle_input(self, item: InputItem) -> None:
-        self._is_stats_dirty = True
+        self._stats.is_dirty = True
         match item:
             case AddRequest(request):
                 if request.request_id:  # an empty id is refused as it is
@@ -466,35 +413,11 @@ class EngineCoreProc:
             self._output_thread.send_or_submit(client_index, outputs)
 
     def _maybe_report_stats(self) -> None:
-        now = time.monotonic()
-        if now < self._next_stats_check:
-            return
-        is_heartbeat_due = now >= self._last_stats_time + STATS_MAX_INTERVAL_S
-        if not (self._is_stats_dirty or is_heartbeat_due):
-            return
-        stats = self.engine_core.make_stats()
-        wave = self._wave
-        wave_facts = (0, False, 0) if wave is None else wave.facts()
-        self._is_stats_dirty = False
-        self._next_stats_check = now + STATS_MIN_INTERVAL_S
-        is_same = stats == self._last_stats and wave_facts == self._last_wave_facts
-        if is_same and not is_heartbeat_due:
-            return
-        self._last_stats, self._last_stats_time = stats, now
-        self._last_wave_facts = wave_facts
-        report = EngineStatsReport(
-            self.engine_index,
-            stats,
-            timestamp=time.time(),
-            requests_seen=dict(self.engine_core.requests_seen),
-            identity=self._identity,
-            attached_clients=sorted(self._attached_clients),
-            attaches_seen=self._attaches_seen,
-            current_wave=wave_facts[0],
-            is_wave_running=wave_facts[1],
-            num_dummy_steps=wave_facts[2],
+        report = self._stats.report(
+            self.engine_core, self._wave, self._attached_clients, self._attaches_seen
         )
-        self._output_thread.submit(ReportStats(report))
+        if report is not None:
+            self._output_thread.submit(ReportStats(report))
 
     def set_stats_address(self, address: str) -> None:
         """Pushes stats reports to `address` from now on (the coordinator moved); thread-safe.
@@ -558,40 +481,6 @@ class EngineCoreProc:
             if self._input_thread.is_alive() or self._output_thread.is_alive():
                 logger.warning("engine %d IO threads did not stop", self.engine_index)
             else:
-                self._zap.stop()
-                self._zap.join(timeout=2)
-                if not self._zap.is_alive():
-                    self._gate.close()
+                self._socket.stop_handler()
                 self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
-            if self._ipc_dir is not None:
-                shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def _make_wave(
-    core: EngineCore, config: EngineConfig, rendezvous: Rendezvous | None, *, join: bool
-) -> DPWave | None:
-    """The rank's DP waves, its groups joined (if `join`), when it serves an MoE model
-    expert-parallel.
-
-    Raises:
-        ValueError: expert parallelism without a rendezvous.
-        GroupJoinError: a peer did not join in time.
-    """
-    expert_parallel = core.executor.expert_parallel
-    if expert_parallel is None:
-        return None
-    if rendezvous is None:
-        raise ValueError(
-            "expert parallelism needs the ranks' rendezvous: launch the cluster with "
-            "shoal.cluster.launch (shoal serve)"
-        )
-    wave = DPWave(
-        expert_parallel,
-        rendezvous,
-        device=core.executor.device,
-        timeout_s=config.parallel.collective_timeout_s,
-        join_timeout_s=JOIN_TIMEOUT_S,
-    )
-    if join:
-        wave.join()
-    return wave
+            self._socket.remove_files()

@@ -318,3 +318,37 @@ class DPWave:
 
     def _decision_key(self, wave: int) -> str:
         return f"gen/{self._groups().generation}/wave/{wave}"
+
+
+def make_dp_wave(
+    expert_parallel: ExpertParallel | None,
+    rendezvous: Rendezvous | None,
+    *,
+    device: torch.device,
+    timeout_s: float,
+    join: bool,
+) -> DPWave | None:
+    """A rank's DP waves, its groups joined (if `join`), when it serves an MoE model
+    expert-parallel; None for a dense model.
+
+    Raises:
+        ValueError: expert parallelism without a rendezvous.
+        GroupJoinError: a peer did not join in time.
+    """
+    if expert_parallel is None:
+        return None
+    if rendezvous is None:
+        raise ValueError(
+            "expert parallelism needs the ranks' rendezvous: launch the cluster with "
+            "shoal.cluster.launch (shoal serve)"
+        )
+    wave = DPWave(
+        expert_parallel,
+        rendezvous,
+        device=device,
+        timeout_s=timeout_s,
+        join_timeout_s=JOIN_TIMEOUT_S,
+    )
+    if join:
+        wave.join()
+    return wave

@@ -7,7 +7,8 @@ import queue
 
 import zmq
 
-from shoal.engine.core.core_io import InputThread, close_monitored
+from shoal.engine.core.client_table import close_monitored
+from shoal.engine.core.core_io import InputThread
 from shoal.engine.core.work_items import AttachClient, DetachClient, InputItem
 from shoal.engine.protocol import EngineCoreOutputs, EngineCoreRequestType, EngineFacts, EngineHello
 from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder

@@ -63,7 +63,7 @@ def _handshake_outcome(
 
 def test_a_descriptor_flood_does_not_keep_a_cluster_client_out(engine_checkpoint: str) -> None:
     with closed_engine(engine_checkpoint, num_clients=1, max_connections=4) as closed:
-        gate = closed.served.proc._gate
+        gate = closed.served.proc._socket.gate
         with _silent_connections(closed.endpoint.input_address, 8):
             _wait_for(lambda: gate.live >= 8)  # counted, handshake or not: over the cap
             peer = closed.attached_peer(1)  # a cluster key is admitted all the same
@@ -81,7 +81,7 @@ def test_past_the_cap_an_open_engine_refuses_with_the_limit_status(engine_checkp
     peers: list[zmq.Socket] = []
     with running_engine(tiny_config(engine_checkpoint), max_connections=3) as served:
         address = served.endpoint.input_address
-        gate = served.proc._gate
+        gate = served.proc._socket.gate
         try:
             for _ in range(3):
                 assert _handshake_outcome(ctx, address, peers)[0] == zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -105,7 +105,7 @@ def test_past_the_cap_made_up_keys_are_refused_as_the_limit(engine_checkpoint: s
     ctx = zmq.Context()
     peers: list[zmq.Socket] = []
     with closed_engine(engine_checkpoint, num_clients=1, max_connections=2) as closed:
-        gate = closed.served.proc._gate
+        gate = closed.served.proc._socket.gate
         address, server_key = closed.endpoint.input_address, closed.endpoint.public_key
         try:
             with _silent_connections(address, 4):

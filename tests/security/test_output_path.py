@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from shoal.engine.core import core_io, core_output
+from shoal.engine.core import client_table, core_output
 from shoal.engine.protocol import EngineHello, FinishReason
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, running_engine, tiny_config
 from tests.security.peers import ADD, HELLO, ClosedEngine, KeyedPeer, closed_engine
@@ -23,8 +23,8 @@ from tests.security.peers import ADD, HELLO, ClosedEngine, KeyedPeer, closed_eng
 @pytest.fixture
 def quick_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small queues and short timeouts, so that a lagging client is let go within a second."""
-    monkeypatch.setattr(core_io, "OUTPUT_SNDHWM", 4)
-    monkeypatch.setattr(core_io, "CONNECT_GRACE_S", 1.0)
+    monkeypatch.setattr(client_table, "OUTPUT_SNDHWM", 4)
+    monkeypatch.setattr(client_table, "CONNECT_GRACE_S", 1.0)
     monkeypatch.setattr(core_output, "MAX_BACKLOG_MESSAGES", 64)
     monkeypatch.setattr(core_output, "SEND_TIMEOUT_S", 1.0)
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import zmq
 
-from shoal.engine.core.core_io import InputThread, close_monitored
+from shoal.engine.core.client_table import close_monitored
+from shoal.engine.core.core_io import InputThread
 from shoal.engine.core.work_items import AttachClient, DetachClient, InputItem
 from shoal.engine.protocol import EngineCoreRequestType, EngineFacts, EngineHello
 from shoal.engine.serial import MsgpackEncoder
