@@ -1,6 +1,8 @@
 """End to end on a real `ray start --head`: `ray job submit -- python -m shoal.deploy.serve ...`,
 a separate driver process (`shoal generate`) attaches by namespace and completes requests,
-`shoal status` lists both ranks, `shoal stop` leaves no actor and no placement group.
+`shoal status` lists both ranks, `shoal stop` leaves no actor and no placement group. The job
+serves HTTP with its keys read from files, as the README tells `ray job submit` users to pass
+them: neither key shows in `ps`, the job's log or `shoal status --json`.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +29,7 @@ from tests.ray_utils import (
     REPO_ROOT,
     TINY_ENGINE_FLAGS,
     RayHead,
+    free_port,
     ray_env,
     ray_head,
     unique_namespace,
@@ -34,6 +40,8 @@ __all__ = ["ray_head"]
 pytestmark = pytest.mark.slow
 
 READY_TIMEOUT_S = 120.0
+API_KEY = "job-inference-key-8c1e77"
+ADMIN_KEY = "job-admin-key-d93a04"
 
 
 @dataclass
@@ -44,6 +52,7 @@ class ServedCluster:
     head: RayHead
     submission_id: str
     jobs: JobSubmissionClient
+    port: int
 
     def job_logs(self) -> str:
         return str(self.jobs.get_job_logs(self.submission_id))
@@ -82,11 +91,20 @@ def _status_json(head: RayHead, namespace: str) -> dict[str, Any] | None:
 
 
 @pytest.fixture
-def served_cluster(ray_head: RayHead, checkpoint: str) -> Iterator[ServedCluster]:
-    """Submits `python -m shoal.deploy.serve` as a Ray job and waits until every rank serves."""
+def served_cluster(ray_head: RayHead, checkpoint: str, tmp_path: Path) -> Iterator[ServedCluster]:
+    """Submits `python -m shoal.deploy.serve` as a Ray job, serving HTTP with keys from files,
+    and waits until every rank serves."""
     namespace = unique_namespace("served")
     submission_id = f"shoal-{namespace}"
-    entrypoint = [sys.executable, "-m", "shoal.deploy.serve", *_serve_args(checkpoint, namespace)]
+    port = free_port()
+    keys = tmp_path
+    (keys / "api.key").write_text(API_KEY + "\n")
+    (keys / "admin.key").write_text(ADMIN_KEY + "\n")
+    entrypoint = [
+        sys.executable, "-m", "shoal.deploy.serve", *_serve_args(checkpoint, namespace),
+        "--port", str(port), "--host", "127.0.0.1", "--api-key-file", str(keys / "api.key"),
+        "--admin-api-key-file", str(keys / "admin.key"),
+    ]  # fmt: skip
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}}
     submit = subprocess.run(
         [
@@ -98,7 +116,7 @@ def served_cluster(ray_head: RayHead, checkpoint: str) -> Iterator[ServedCluster
     )  # fmt: skip
     assert submit.returncode == 0, submit.stdout + submit.stderr
     served = ServedCluster(
-        namespace, ray_head, submission_id, JobSubmissionClient(ray_head.dashboard_url)
+        namespace, ray_head, submission_id, JobSubmissionClient(ray_head.dashboard_url), port
     )
     try:
         _wait_until_served(served)
@@ -127,6 +145,24 @@ def _wait_for_job(served: ServedCluster, timeout_s: float) -> JobStatus:
     while not (status := served.job_status()).is_terminal() and time.monotonic() < deadline:
         time.sleep(0.5)
     return status
+
+
+def _models_status(port: int, key: str) -> int:
+    """GET /v1/models with `key`; the front end starts right after the ranks are ready."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _leftovers(head: RayHead, namespace: str) -> list[str]:
@@ -170,9 +206,20 @@ def test_job_submit_serve_status_stop(served_cluster: ServedCluster) -> None:
     assert all(len(a["token_ids"]) > 0 and a["finish_reason"] for a in answers)
     assert {a["rank"] for a in answers} == {0, 1}
 
+    # HTTP takes the key read from its file, and neither key is anywhere a user could see it.
+    assert _models_status(served_cluster.port, API_KEY) == 200
+    assert _models_status(served_cluster.port, "wrong-key") == 401
+    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    status_json = _shoal(head, "status", "--namespace", namespace, "--json")
+    for key in (API_KEY, ADMIN_KEY):
+        assert key not in processes
+        assert key not in logs()
+        assert key not in status_json.stdout + status_json.stderr
+
     table = _shoal(head, "status", "--namespace", namespace)
     assert table.returncode == 0, table.stderr
-    rows = [line.split() for line in table.stdout.splitlines()]
+    # Rank rows start the line; the attached clients (here the HTTP front end) are indented.
+    rows = [line.split() for line in table.stdout.splitlines() if not line.startswith(" ")]
     assert [row[:2] for row in rows if row and row[0] in ("0", "1")] == [
         ["0", "ready"],
         ["1", "ready"],
