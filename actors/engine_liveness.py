@@ -9,17 +9,21 @@ Two questions, two answers:
   own connection. `probe_engine` asks the actor itself through Ray, with a deadline.
 
 Both speak only to the actor's control methods, which answer while the engine computes (the
-actor is threaded), so a busy engine is never mistaken for a hung one.
+actor is threaded), so a busy engine is never mistaken for a hung one. `RankLiveness` is the
+registry's part that asks them and marks a rank DEAD in its `MembershipTable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
+
+from shoal.actors.membership_table import MembershipTable
 
 if TYPE_CHECKING:
     from shoal.actors.engine_actor import EngineActorHandle
@@ -31,6 +35,8 @@ ENGINE_WATCH_METHOD = "wait_for_exit"
 # An engine actor that does not answer `health` within this long counts as hung.
 ENGINE_PROBE_TIMEOUT_S = 5.0
 _UNAVAILABLE_RETRY_S = 0.2
+
+logger = logging.getLogger(__name__)
 
 
 class Liveness(enum.Enum):
@@ -110,3 +116,77 @@ async def probe_engine(
 def restart_engine(actor: EngineActorHandle) -> None:
     """Kills a hung engine actor so that Ray starts it again (it then registers anew)."""
     ray.kill(cast("ray.actor.ActorHandle[Any]", actor), no_restart=False)
+
+
+class RankLiveness:
+    """One watch per registered incarnation, and one shared probe per incarnation a client
+    reports lost; what they learn is marked in the table.
+
+    Args:
+        namespace: where the engine actors are looked up by name.
+        table: the membership, whose ranks turn DEAD here.
+        probe_timeout_s: an engine reported lost that does not answer a health probe within
+            this long is restarted.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        table: MembershipTable,
+        probe_timeout_s: float = ENGINE_PROBE_TIMEOUT_S,
+    ) -> None:
+        self._namespace = namespace
+        self._table = table
+        self._probe_timeout_s = probe_timeout_s
+        self._watchers: dict[int, asyncio.Task[None]] = {}
+        self._probes: dict[bytes, asyncio.Task[bool]] = {}
+
+    def watch(self, rank: int, actor_name: str, identity: bytes) -> None:
+        """Watches the incarnation `identity` of `rank` (instead of any earlier one)."""
+        self.unwatch(rank)
+        self._watchers[rank] = asyncio.get_running_loop().create_task(
+            self._watch(rank, actor_name, identity)
+        )
+
+    def unwatch(self, rank: int) -> None:
+        watcher = self._watchers.pop(rank, None)
+        if watcher is not None:
+            watcher.cancel()
+
+    async def report_lost(self, rank: int, identity: bytes) -> bool:
+        """A client lost `identity` (see `RegistryActor.report_engine_lost`). Returns whether
+        that incarnation keeps serving; concurrent reports about it share one probe."""
+        if not self._table.is_serving(rank, identity):
+            return False
+        probe = self._probes.get(identity)
+        if probe is None:
+            probe = asyncio.get_running_loop().create_task(self._probe(rank, identity))
+            self._probes[identity] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(identity, None))
+        return await asyncio.shield(probe)
+
+    async def _watch(self, rank: int, actor_name: str, identity: bytes) -> None:
+        actor = find_engine(actor_name, self._namespace)
+        if actor is None:
+            logger.warning("rank %d: no actor %r to watch; liveness unknown", rank, actor_name)
+            return
+        if await watch_engine(actor, identity, lambda: self._table.is_current(rank, identity)):
+            logger.warning("rank %d: engine actor died", rank)
+            self._table.mark_dead(rank, identity)
+
+    async def _probe(self, rank: int, identity: bytes) -> bool:
+        actor = find_engine(self._table.rank(rank).actor_name, self._namespace)
+        liveness = await probe_engine(actor, identity, self._probe_timeout_s)
+        if liveness == Liveness.ALIVE:
+            logger.info("rank %d was reported lost by a client but answers; kept", rank)
+            return True
+        if liveness == Liveness.HUNG and actor is not None:  # HUNG: it was there to probe
+            logger.warning(
+                "rank %d was reported lost and did not answer a health probe in %.0f s; "
+                "restarting it",
+                rank,
+                self._probe_timeout_s,
+            )
+            restart_engine(actor)
+        self._table.mark_dead(rank, identity)
+        return False

@@ -1,37 +1,63 @@
-"""`RegistryState`: everything the registry keeps, saved to the GCS key-value store on every
-change (see `shoal.actors.registry`)."""
+"""`RegistryState`: everything the registry keeps, one part per owner, and `StateStore`, where
+it is written on every change: the GCS key-value store of the cluster's namespace (as Ray
+Serve's controller checkpoints its state), read back by a registry that Ray restarts."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from shoal.actors.membership import ClientInfo, RankInfo
-from shoal.actors.scale_state import ScaleEvent, ScaleRecord
+import msgspec
+from ray.experimental import internal_kv
+
+from shoal.actors.membership_table import TableState
+from shoal.actors.scale_state import ResizeState
 from shoal.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# GCS key-value key (in the cluster's namespace) of the registry's saved state.
+STATE_KEY = "shoal-registry-state"
 
 
 @dataclass
 class RegistryState:
-    config: EngineConfig
-    epoch: int = 0
-    ranks: dict[int, RankInfo] = field(default_factory=dict)
-    clients: dict[int, ClientInfo] = field(default_factory=dict)
-    next_client_index: int = 0
-    stats_publish_address: str | None = None
-    stats_report_address: str | None = None
-    stopping: bool = False
-    served_by: str | None = None
-    ep_placement: list[int] | None = None  # expert -> rank, under expert parallelism
-    # CURVE public keys: the coordinator's, and each attached client's by index (kept when a
-    # silent client is pruned, since its index is never given to anyone else).
-    coordinator_public_key: bytes | None = None
-    client_keys: dict[int, bytes] = field(default_factory=dict)
-    # Resizes: the one holding the scale lock, the last epoch handed out, the rendezvous
-    # prefix of the current set's groups (None: the namespace), and the past scales.
-    scale: ScaleRecord | None = None
-    scale_epoch: int = 0
-    ep_group_name: str | None = None
-    scale_history: list[ScaleEvent] = field(default_factory=list)
-    # How the launch started its ranks (reservation, placement, bind address), for resizes.
-    launch_options: dict[str, Any] = field(default_factory=dict)
+    """The membership table's state and the resizes' state, saved as one value."""
+
+    membership: TableState
+    resizes: ResizeState = field(default_factory=ResizeState)
+
+    @classmethod
+    def new(cls, config: EngineConfig) -> RegistryState:
+        return cls(TableState(config=config))
+
+
+class StateStore:
+    """The registry's state in the GCS key-value store of one namespace.
+
+    Args:
+        namespace: the cluster's Ray namespace.
+    """
+
+    def __init__(self, namespace: str) -> None:
+        self._namespace = namespace
+
+    def save(self, state: RegistryState) -> None:
+        internal_kv._internal_kv_put(
+            STATE_KEY, msgspec.msgpack.encode(state), namespace=self._namespace
+        )
+
+    def load(self) -> RegistryState | None:
+        """The state the previous incarnation saved, resumed (`TableState.resume`); None when
+        there is none."""
+        saved = internal_kv._internal_kv_get(STATE_KEY, namespace=self._namespace)
+        if saved is None:
+            return None
+        state = msgspec.msgpack.decode(saved, type=RegistryState)
+        state.membership.resume(time.time())
+        return state
+
+    def delete(self) -> None:
+        """Forgets the saved state (the cluster is stopped for good)."""
+        internal_kv._internal_kv_del(STATE_KEY, namespace=self._namespace)

@@ -8,6 +8,7 @@ the lock of a scale in progress, until the scale ends or its lease runs out).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import ScalePlan
@@ -53,6 +54,28 @@ class ScaleEvent:
     duration_s: float
     detail: str = ""
     finished_at: float = 0.0
+
+
+@dataclass
+class ResizeState:
+    """What the registry's resizes part keeps (saved with the rest of the registry's state).
+
+    Attributes:
+        scale: the resize holding the scale lock (None: no resize runs).
+        scale_epoch: the last resize epoch handed out.
+        ep_group_name: the rendezvous prefix of the current set's groups (None: the namespace).
+        ep_placement: the current set's expert -> rank table, under expert parallelism.
+        scale_history: the past resizes, oldest first (at most `SCALE_HISTORY`).
+        launch_options: how the launch started its ranks, so that a resize starts them alike
+            (`shoal.cluster.launch.LaunchOptions.as_dict`).
+    """
+
+    scale: ScaleRecord | None = None
+    scale_epoch: int = 0
+    ep_group_name: str | None = None
+    ep_placement: list[int] | None = None
+    scale_history: list[ScaleEvent] = field(default_factory=list)
+    launch_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shoal.client import AsyncLLM
-from shoal.cluster.launch import launch
+from shoal.cluster.launch import LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig
 from tests.cluster.elastic_load import Load, Served
@@ -124,9 +124,8 @@ async def _run(args: argparse.Namespace, checkpoint: str) -> None:
         max_model_len=256,
         max_num_batched_tokens=128,
     )
-    handle = launch(
-        config, namespace="bench-elastic", resources=RankResources(num_cpus=1), host="127.0.0.1"
-    )
+    options = LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1")
+    handle = launch(config, options, namespace="bench-elastic")
     drivers = [
         await AsyncLLM.connect(handle.namespace, host="127.0.0.1", name=f"driver {i}")
         for i in range(2)

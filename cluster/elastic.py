@@ -34,14 +34,13 @@ from typing import Any
 import ray
 
 from shoal.actors.scale_state import SCALE_LEASE_S, ScaleInProgressError
-from shoal.cluster.launch import (
-    READY_TIMEOUT_S,
-    ClusterHandle,
-    LaunchOptions,
-    add_ranks,
-    remove_ranks,
+from shoal.cluster.handle import ClusterHandle, remove_ranks
+from shoal.cluster.placement import (
+    RankResources,
+    live_placement_group_names,
+    placement_group_name,
 )
-from shoal.cluster.placement import live_placement_group_names, placement_group_name
+from shoal.cluster.ranks import READY_TIMEOUT_S, LaunchOptions, add_ranks
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
@@ -121,8 +120,10 @@ def scale(
     membership = handle.membership()
     config = membership.config
     _check_size(config, new_size)
+    # New ranks start as the launch's did, within this resize's own start-up bound.
+    options = replace(LaunchOptions.of(handle), ready_timeout_s=ready_timeout_s)
     if new_size > len(membership.ranks):
-        _check_capacity(handle, new_size, max_size)
+        _check_capacity(options.resources, new_size, max_size)
     start = time.monotonic()
     epoch, from_size = ray.get(handle.registry.begin_scale.remote(owner, new_size))
     report = ScaleReport(epoch, from_size, new_size, "unchanged")
@@ -134,7 +135,7 @@ def scale(
     lease = _LeaseRenewal(handle, epoch)
     try:
         if new_size > from_size:
-            resize.scale_up(LaunchOptions.of(handle), ready_timeout_s=ready_timeout_s)
+            resize.scale_up(options)
         else:
             resize.scale_down()
     except BaseException as e:
@@ -173,13 +174,12 @@ def scale(
     return report
 
 
-def _check_capacity(handle: ClusterHandle, new_size: int, max_size: int | None) -> None:
+def _check_capacity(resources: RankResources, new_size: int, max_size: int | None) -> None:
     """Refuses, before anything is created, a size above `max_size` or above what the Ray
     cluster's live nodes can hold (at what each rank reserves); with `max_size`, sizes up to
     it may wait for nodes an autoscaler adds."""
     if max_size is not None and new_size > max_size:
         raise ValueError(f"{new_size} ranks exceed the configured maximum of {max_size}")
-    resources = LaunchOptions.of(handle).resources
     capacity = sum(resources.fits_on(n["Resources"]) for n in ray.nodes() if n.get("Alive"))
     if new_size > capacity and (max_size is None or new_size > max_size):
         raise ValueError(
@@ -285,7 +285,7 @@ class _Resize:
 
     # --- up ---------------------------------------------------------------------------------
 
-    def scale_up(self, options: LaunchOptions, *, ready_timeout_s: float) -> None:
+    def scale_up(self, options: LaunchOptions) -> None:
         old = list(range(self.from_size))
         self.new_ranks = list(range(self.from_size, self.to_size))
         self._enter("starting", plan=self.plan, new_ranks=self.new_ranks)
@@ -295,16 +295,7 @@ class _Resize:
             self.config,
             parallel=replace(self.config.parallel, data_parallel_size=self.to_size),
         )
-        add_ranks(
-            self.handle,
-            config,
-            self.new_ranks,
-            options.resources,
-            options.placement_strategy,
-            host=options.host,
-            detached=options.detached,
-            ready_timeout_s=ready_timeout_s,
-        )
+        add_ranks(self.handle, config, self.new_ranks, options)
         if self.is_expert_parallel:
             self._enter("switching")
             self._switch(old, self.new_ranks)

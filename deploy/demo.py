@@ -17,7 +17,7 @@ from collections import Counter
 import ray
 
 from shoal.client import AsyncLLM
-from shoal.cluster.launch import launch
+from shoal.cluster.launch import LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.deploy.generate import (
     add_sampling_args,
@@ -76,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig.from_kwargs(
         model, dtype="float32", max_model_len=2048, data_parallel_size=size
     )
-    cluster = launch(
-        config, namespace=args.namespace, resources=RankResources(num_cpus=1), host="127.0.0.1"
-    )
+    options = LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1")
+    cluster = launch(config, options, namespace=args.namespace)
     try:
         print(f"cluster ready in {time.monotonic() - start:.1f} s", flush=True)
         asyncio.run(_drive(args.namespace, args))

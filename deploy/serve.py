@@ -27,6 +27,7 @@ from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterExistsError,
     EngineStartError,
+    LaunchOptions,
     check_launchable,
     launch,
 )
@@ -203,15 +204,14 @@ def _launch_and_serve(
             logger.error("shoal serve: %s", e)
             return 2
         stop.install()  # after ray.init, which installs a SIGTERM handler of its own
-        handle = launch(
-            config,
-            namespace=args.namespace,
-            resources=rank_resources(args),
-            placement_strategy=args.placement_strategy,
+        options = LaunchOptions(
+            rank_resources(args),
+            args.placement_strategy,
             host=args.data_parallel_address,
             detached=args.detached,
             ready_timeout_s=args.ready_timeout,
         )
+        handle = launch(config, options, namespace=args.namespace)
         stop.is_serving = True
     except (ClusterExistsError, ConnectionError) as e:
         logger.error("shoal serve: %s", e)

@@ -10,8 +10,10 @@ import pytest
 import ray
 
 from shoal.actors.membership import RankState
+from shoal.actors.membership_table import MembershipTable, TableState
 from shoal.actors.registry import RegistryActor
-from shoal.actors.scale_state import ScaleInProgressError
+from shoal.actors.registry_resizes import Resizes
+from shoal.actors.scale_state import SCALE_LEASE_S, ResizeState, ScaleInProgressError
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import ScalePlan
 from shoal.engine.protocol import EngineEndpoint
@@ -80,3 +82,23 @@ def test_a_rank_started_by_a_resize_joins_the_new_set_and_serves_once_it_commits
     assert restarted.joining is None and restarted.group_name == "ns/resize-1"
     status = ray.get(registry.status.remote())
     assert status["expert_parallel"]["experts_per_rank"] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_a_lock_whose_lease_ran_out_is_taken_over_and_its_holder_can_no_longer_act() -> None:
+    """The lease on its own (no Ray): a driver that died stops renewing, and the next takes
+    the lock once the lease has run out, not before."""
+    table = MembershipTable(TableState(config=CONFIG), lambda: None)
+    state = ResizeState()
+    resizes = Resizes(state, table, "ns")
+    dead_epoch, _ = resizes.begin("dead driver", 3)
+    with pytest.raises(ScaleInProgressError, match="by dead driver"):
+        resizes.begin("next driver", 4)
+    assert state.scale is not None
+    state.scale.renewed_at -= SCALE_LEASE_S + 1  # nobody renewed it for a whole lease
+    epoch, from_size = resizes.begin("next driver", 4)
+    assert (epoch, from_size) == (dead_epoch + 1, 2)
+    assert not resizes.renew(dead_epoch)
+    with pytest.raises(ScaleInProgressError, match=f"resize {dead_epoch} does not hold"):
+        resizes.set_phase(dead_epoch, "switching", None, None)
+    assert resizes.end(dead_epoch, "committed", "") == table.epoch  # changes nothing
+    assert resizes.history() == []

@@ -18,7 +18,7 @@ import ray
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.cluster.elastic import ScaleError, ScaleInProgressError, scale
-from shoal.cluster.launch import ClusterHandle, launch
+from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import RECONFIGURED
@@ -66,12 +66,8 @@ def _launch(checkpoint: str, *, expert_parallel: bool) -> ClusterHandle:
         enable_expert_parallel=expert_parallel,
         **ENGINE_KWARGS,
     )
-    return launch(
-        config,
-        namespace=unique_namespace("elastic"),
-        resources=RankResources(num_cpus=1),
-        host="127.0.0.1",
-    )
+    options = LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1")
+    return launch(config, options, namespace=unique_namespace("elastic"))
 
 
 @pytest.fixture

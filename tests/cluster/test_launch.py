@@ -14,10 +14,12 @@ from ray.util.placement_group import placement_group_table
 from shoal.actors.membership import Membership, RankState
 from shoal.client.core_client import SyncMPClient
 from shoal.cluster.launch import (
+    READY_TIMEOUT_S,
     ClusterExistsError,
     ClusterHandle,
     ClusterNotFoundError,
     EngineStartError,
+    LaunchOptions,
     attach,
     launch,
 )
@@ -47,13 +49,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cluster(ray_local: str, checkpoint: str) -> Iterator[ClusterHandle]:
     config = EngineConfig.from_kwargs(checkpoint, data_parallel_size=2, **ENGINE_KWARGS)
-    handle = launch(
-        config,
-        namespace=unique_namespace("cluster"),
-        resources=CPU_RANK,
-        host="127.0.0.1",
-        ready_timeout_s=120,
-    )
+    options = LaunchOptions(CPU_RANK, host="127.0.0.1", ready_timeout_s=120)
+    handle = launch(config, options, namespace=unique_namespace("cluster"))
     yield handle
     handle.shutdown()
 
@@ -122,6 +119,16 @@ def test_status_shows_each_rank_load_from_the_coordinator(cluster: ClusterHandle
         assert rank["load"]["num_total_blocks"] == 64
 
 
+def test_the_registry_keeps_how_ranks_were_started_but_not_the_launchs_timeout(
+    cluster: ClusterHandle,
+) -> None:
+    """What a resize, from any driver, reads back to start ranks as the launch did; its own
+    start-up timeout it brings itself."""
+    kept = LaunchOptions.of(attach(cluster.namespace))
+    assert kept == LaunchOptions(CPU_RANK, host="127.0.0.1")
+    assert kept.ready_timeout_s == READY_TIMEOUT_S != 120
+
+
 def test_attach_by_namespace_and_refuse_a_second_launch(cluster: ClusterHandle) -> None:
     attached = attach(cluster.namespace)
     assert attached.membership().epoch == cluster.membership().epoch
@@ -130,7 +137,7 @@ def test_attach_by_namespace_and_refuse_a_second_launch(cluster: ClusterHandle) 
         attach(unique_namespace("absent"))
     config = cluster.membership().config
     with pytest.raises(ClusterExistsError):
-        launch(config, namespace=cluster.namespace, resources=CPU_RANK)
+        launch(config, LaunchOptions(CPU_RANK), namespace=cluster.namespace)
 
 
 def _wait_for_rank(
@@ -211,9 +218,8 @@ def test_a_failed_launch_leaves_nothing_behind(ray_local: str, tmp_path: Path) -
     namespace = unique_namespace("broken")
     message = r"^rank 0 failed to start: ModelLoadError: .*missing: no such file or directory$"
     with pytest.raises(EngineStartError, match=message) as raised:
-        launch(
-            config, namespace=namespace, resources=CPU_RANK, host="127.0.0.1", ready_timeout_s=60
-        )
+        options = LaunchOptions(CPU_RANK, host="127.0.0.1", ready_timeout_s=60)
+        launch(config, options, namespace=namespace)
     assert isinstance(raised.value.__cause__, ray.exceptions.RayActorError)  # the traceback
     assert _live_shoal_actors() == []
     assert live_placement_group_names(namespace) == []
@@ -226,12 +232,7 @@ def test_ranks_that_find_no_room_time_out_by_name_and_leave_nothing_behind(
     namespace = unique_namespace("no-room")
     message = r"ranks \[0\] found no node with room for \{'CPU': 1000\} each within 3 s"
     with pytest.raises(ray.exceptions.GetTimeoutError, match=message):
-        launch(
-            config,
-            namespace=namespace,
-            resources=RankResources(num_cpus=1000),
-            host="127.0.0.1",
-            ready_timeout_s=3,
-        )
+        options = LaunchOptions(RankResources(num_cpus=1000), host="127.0.0.1", ready_timeout_s=3)
+        launch(config, options, namespace=namespace)
     assert _live_shoal_actors() == []
     assert live_placement_group_names(namespace) == []

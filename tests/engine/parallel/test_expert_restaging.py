@@ -21,11 +21,11 @@ from torch.distributed import TCPStore
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import SafetensorsReader, load_model_arch, load_weights
+from shoal.engine.model import layers as model_layers
 from shoal.engine.model.layers import can_pack_weights, packed_linear
 from shoal.engine.model.llama import DecoderLayer
 from shoal.engine.model.mixtral import MixtralExperts, MixtralForCausalLM, MixtralMoE
 from shoal.engine.model.model_runner import ModelRunner
-from shoal.engine.model import layers as model_layers
 from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
 from shoal.engine.parallel.expert_parallel import ExpertParallel, ExpertPlacement
 from tests.engine.model_utils import arch_from_hf, greedy_generate, make_hf_model

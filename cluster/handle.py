@@ -1,0 +1,213 @@
+"""`ClusterHandle`: a launched or attached cluster, by namespace: its control actors, the engine
+actors this process has seen, and the ways to read, wait on, shrink and stop it.
+
+Knows how ranks are stopped (`remove_ranks`) but not how they are started
+(`shoal.cluster.ranks`), nor how a cluster is launched (`shoal.cluster.launch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from shoal.actors.coordinator import CoordinatorHandle
+from shoal.actors.engine_actor import ENGINE_ACTOR_PREFIX, EngineActorHandle, engine_actor_name
+from shoal.actors.membership import Membership
+from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
+from shoal.actors.owner import OwnerHandle
+from shoal.actors.registry import RegistryHandle
+from shoal.actors.registry_state import StateStore
+from shoal.cluster.placement import remove_cluster_placement_groups
+
+logger = logging.getLogger(__name__)
+
+# How long a caller waits for a registry that stopped answering to come back (Ray restarts it).
+REGISTRY_RESTART_WAIT_S = 30.0
+# How long a killed actor may take to disappear from Ray's name table.
+_ACTOR_EXIT_TIMEOUT_S = 15.0
+
+
+@dataclass
+class ClusterHandle:
+    """A launched or attached cluster: its namespace and the actors in it."""
+
+    namespace: str
+    registry: RegistryHandle
+    coordinator: CoordinatorHandle
+    engines: dict[int, EngineActorHandle] = field(default_factory=dict)
+    # Creates the ranks' placement groups and actors (None: a cluster from before it existed;
+    # then this process creates them).
+    owner: OwnerHandle | None = None
+
+    def membership(self) -> Membership:
+        return ray.get(self.registry.membership.remote())
+
+    def status(self) -> dict[str, Any]:
+        """The registry's summary, each rank with its latest `load` from the coordinator."""
+        status: dict[str, Any] = ray.get(self.registry.status.remote())
+        loads = ray.get(self.coordinator.latest_stats.remote())
+        for rank in status["ranks"]:
+            rank["load"] = loads.get(rank["rank"])
+        expert_parallel = status.get("expert_parallel")
+        if expert_parallel is not None:  # the DP wave, as the ranks last reported it
+            expert_parallel["current_wave"] = max(
+                (load["current_wave"] for load in loads.values()), default=0
+            )
+            expert_parallel["running"] = any(load["is_wave_running"] for load in loads.values())
+        return status
+
+    def wait_until_stop_requested(
+        self, poll_s: float = 1.0, should_stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Blocks until someone calls `request_stop` (e.g. `shoal stop`) or the registry is gone.
+
+        A registry that Ray restarts is waited for (see `registry_answers_again`).
+
+        Args:
+            poll_s: long-poll timeout; also how often `should_stop` is consulted.
+            should_stop: optional callable; returning True ends the wait (e.g. on a signal).
+        """
+        epoch = -1
+        while should_stop is None or not should_stop():
+            try:
+                membership = ray.get(
+                    self.registry.wait_for_change.remote(epoch, poll_s, None, None)
+                )
+            except ray.exceptions.RayActorError:
+                if registry_answers_again(self.registry, give_up=should_stop):
+                    continue  # Ray restarted it; it read its saved state back
+                logger.warning("the registry of namespace %r is gone", self.namespace)
+                return
+            if membership.stopping:
+                return
+            epoch = membership.epoch
+
+    def engine(self, rank: int) -> EngineActorHandle:
+        """The engine actor of `rank`, looked up by name when this handle has not seen it."""
+        if rank not in self.engines:
+            self.engines[rank] = ray.get_actor(engine_actor_name(rank), namespace=self.namespace)
+        return self.engines[rank]
+
+    def shutdown(self) -> None:
+        """Stops every engine, then removes all actors and placement groups of the cluster.
+
+        Safe to call on a partly launched or partly dead cluster, and from any driver.
+        """
+        ranks = set(self.engines) | set(_named_engine_ranks(self.namespace))
+        # When the registry is gone already, the named actors are still found.
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            ranks |= set(self.membership().ranks)
+        remove_ranks(self, sorted(ranks))
+        _wait_quietly([self.coordinator.shutdown.remote()], timeout=10)
+        owner = self.owner or get_named_actor(OWNER_NAME, self.namespace)
+        for actor in (self.coordinator, self.registry, owner):
+            if actor is not None:
+                _kill_quietly(actor)
+        StateStore(self.namespace).delete()
+        remove_cluster_placement_groups(self.namespace)
+        _wait_for_names_gone(
+            self.namespace,
+            [REGISTRY_NAME, COORDINATOR_NAME, OWNER_NAME]
+            + [engine_actor_name(r) for r in sorted(ranks)],
+        )
+
+
+def registry_answers_again(
+    registry: RegistryHandle,
+    wait_s: float = REGISTRY_RESTART_WAIT_S,
+    give_up: Callable[[], bool] | None = None,
+) -> bool:
+    """Whether a registry whose call just failed answers again within `wait_s` (blocks).
+
+    Ray restarts a registry that dies and it reads its saved state back; one killed on purpose
+    (`ClusterHandle.shutdown`) stays dead, and this returns False after `wait_s`, or as soon
+    as `give_up()` is true.
+    """
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not (give_up is not None and give_up()):
+        time.sleep(0.5)
+        try:
+            ray.get(registry.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue
+    return False
+
+
+def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
+    """Stops the engines of `ranks`, kills their actors, frees their placement groups, and
+    forgets them in the registry and coordinator. Ranks already gone are skipped."""
+    ranks = list(ranks)
+    engines = {r: e for r in ranks if (e := _engine_or_none(handle, r)) is not None}
+    # Clients stop routing to them first, and take their deaths below as expected.
+    _wait_quietly([handle.registry.set_rank_leaving.remote(r) for r in engines], timeout=10)
+    _wait_quietly([e.shutdown.remote() for e in engines.values()], timeout=30)
+    owner = handle.owner
+    for rank, engine in engines.items():
+        _kill_quietly(engine)
+        handle.engines.pop(rank, None)
+        if owner is not None:
+            _wait_quietly([owner.release.remote(engine_actor_name(rank))], timeout=10)
+    remove_cluster_placement_groups(handle.namespace, ranks)
+    for rank in ranks:
+        _wait_quietly([handle.registry.remove_rank.remote(rank)], timeout=10)
+        _wait_quietly([handle.coordinator.forget_rank.remote(rank)], timeout=10)
+
+
+def get_named_actor(name: str, namespace: str) -> Any:
+    """The actor named `name` in `namespace`, or None."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _engine_or_none(handle: ClusterHandle, rank: int) -> EngineActorHandle | None:
+    try:
+        return handle.engine(rank)
+    except ValueError:
+        return None
+
+
+def _named_engine_ranks(namespace: str) -> list[int]:
+    pattern = re.compile(rf"{re.escape(ENGINE_ACTOR_PREFIX)}(\d+)")
+    ranks = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if not isinstance(entry, dict) or entry.get("namespace") != namespace:
+            continue
+        match = pattern.fullmatch(entry.get("name", ""))
+        if match is not None:
+            ranks.append(int(match.group(1)))
+    return ranks
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # already gone
+        logger.debug("kill: %s", e)
+
+
+def _wait_quietly(refs: list[ray.ObjectRef], timeout: float) -> None:
+    """Waits for every call to finish or fail (a dead engine cannot shut down; it is killed
+    next anyway)."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+
+def _wait_for_names_gone(namespace: str, names: list[str]) -> None:
+    deadline = time.monotonic() + _ACTOR_EXIT_TIMEOUT_S
+    pending = list(names)
+    while pending and time.monotonic() < deadline:
+        pending = [n for n in pending if get_named_actor(n, namespace) is not None]
+        if pending:
+            time.sleep(0.1)
+    if pending:
+        logger.warning("actors still registered after shutdown: %s", pending)

@@ -1,0 +1,256 @@
+"""Starting ranks: `LaunchOptions` (how every rank of a cluster is started, kept in its
+registry so a resize starts new ranks alike) and `add_ranks`, which reserves each rank's
+placement group, plans it in the registry, admits its key at the coordinator, creates its
+engine actor (by the cluster's owner) and waits until every one serves.
+
+Stopping ranks is `shoal.cluster.handle.remove_ranks`; the whole launch is
+`shoal.cluster.launch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from shoal.actors.engine_actor import (
+    ENGINE_ACTOR_MAX_CONCURRENCY,
+    EngineActorHandle,
+    EngineCoreActor,
+    engine_actor_name,
+)
+from shoal.actors.membership import registration_digest, registration_token
+from shoal.cluster.handle import ClusterHandle
+from shoal.cluster.placement import (
+    PlacementStrategy,
+    RankResources,
+    create_rank_placement_group,
+    placement_group_name,
+    plan_nodes,
+)
+from shoal.engine.config import EngineConfig
+from shoal.engine.core.curve import CurveKeyPair
+
+logger = logging.getLogger(__name__)
+
+ENGINE_MAX_RESTARTS = 4
+READY_TIMEOUT_S = 600.0
+# How long the owner (and, at launch, the registry and coordinator) may take to answer.
+CONTROL_START_TIMEOUT_S = 60.0
+
+
+class EngineStartError(RuntimeError):
+    """An engine actor failed to start. The message names the rank and the engine's error; the
+    Ray error, with the engine's traceback, is chained as `__cause__`."""
+
+    def __init__(self, rank: int, error: ray.exceptions.RayActorError) -> None:
+        super().__init__(f"rank {rank} failed to start: {_engine_error(error)}")
+        self.rank = rank
+
+
+def _engine_error(error: ray.exceptions.RayActorError) -> str:
+    """The exception an engine's `__init__` raised, as "Type: message", when Ray says so."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not (error.actor_init_failed and lines):
+        return str(error)
+    # The message ends with the engine's exception: "package.module.Type: message".
+    qualified_type, separator, message = lines[-1].partition(": ")
+    if separator and qualified_type.replace(".", "").replace("_", "").isalnum():
+        return f"{qualified_type.rpartition('.')[2]}: {message}"
+    return lines[-1]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a cluster's ranks are started.
+
+    Attributes:
+        resources: what each rank reserves (`default_resources()` when a launch is given none).
+        placement_strategy: "pack" ranks onto few nodes or "spread" them.
+        host: the address engines and the coordinator bind to; None: each node's IP.
+        detached: the cluster outlives the driver that launched it (until `shoal stop`).
+        ready_timeout_s: how long placement and engine start-up may take. Not kept in the
+            registry: each resize brings its own (`dataclasses.replace`).
+    """
+
+    resources: RankResources
+    placement_strategy: PlacementStrategy = "pack"
+    host: str | None = None
+    detached: bool = False
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the registry keeps (`RegistryActor.set_launch_options`)."""
+        return {
+            "num_cpus": self.resources.num_cpus,
+            "num_gpus": self.resources.num_gpus,
+            "placement_strategy": self.placement_strategy,
+            "host": self.host,
+            "detached": self.detached,
+        }
+
+    @classmethod
+    def of(cls, handle: ClusterHandle) -> LaunchOptions:
+        """The options the cluster was launched with (defaults for one launched without)."""
+        saved: dict[str, Any] = ray.get(handle.registry.launch_options.remote())
+        if not saved:
+            return cls(default_resources())
+        return cls(
+            RankResources(num_cpus=saved["num_cpus"], num_gpus=saved["num_gpus"]),
+            saved["placement_strategy"],
+            saved["host"],
+            saved["detached"],
+        )
+
+
+def default_resources() -> RankResources:
+    """One GPU per rank when the cluster has GPUs, else one CPU."""
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    return RankResources(num_cpus=1, num_gpus=1 if has_gpus else 0)
+
+
+def add_ranks(
+    handle: ClusterHandle, config: EngineConfig, ranks: Iterable[int], options: LaunchOptions
+) -> None:
+    """Reserves placement groups and starts engine actors for `ranks`; returns when all serve.
+
+    Raises:
+        EngineStartError: if an engine fails to start.
+        ray.exceptions.GetTimeoutError: if placement or start-up exceed
+            `options.ready_timeout_s`.
+    """
+    ranks = list(ranks)
+    start = time.monotonic()
+    groups = _place(handle, ranks, options)
+    for rank, group in groups.items():
+        # The rank's key pair, made here and kept in its constructor's arguments (a restarted
+        # rank has the same one): the coordinator admits it before the engine first connects,
+        # since a connection refused at its handshake is not tried again; and the registry
+        # takes registrations only with the token derived from it.
+        rank_keys = CurveKeyPair.generate()
+        ray.get(
+            handle.registry.plan_rank.remote(
+                rank,
+                engine_actor_name(rank),
+                placement_group_name(handle.namespace, rank),
+                registration_digest(registration_token(rank_keys)),
+            )
+        )
+        ray.get(handle.coordinator.admit_engine.remote(rank, rank_keys.public))
+        handle.engines[rank] = _as_owner(
+            handle,
+            _create_engine_actor,
+            handle.namespace,
+            rank,
+            group,
+            config,
+            options,
+            rank_keys,
+            keep_as=engine_actor_name(rank),
+        )
+    deadline = start + options.ready_timeout_s
+    readiness = {rank: handle.engines[rank].ready.remote() for rank in ranks}
+    for rank, ready in readiness.items():
+        try:
+            ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError as e:
+            raise EngineStartError(rank, e) from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise ray.exceptions.GetTimeoutError(
+                f"rank {rank} did not start serving within {options.ready_timeout_s:.0f} s"
+            ) from e
+    logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
+
+
+def _place(
+    handle: ClusterHandle, ranks: list[int], options: LaunchOptions
+) -> dict[int, PlacementGroup]:
+    """Reserves one placement group per rank and waits until all are placed.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: a rank found no room within `options.ready_timeout_s`.
+    """
+    resources, timeout_s = options.resources, options.ready_timeout_s
+    targets = plan_nodes(len(ranks), resources, options.placement_strategy)
+    num_waiting = targets.count(None)
+    if num_waiting:
+        logger.warning(
+            "the Ray cluster has room for %d of %d ranks (%s each) now; the rest wait for "
+            "nodes (an autoscaler may add them) for up to %.0f s",
+            len(ranks) - num_waiting,
+            len(ranks),
+            resources.bundle(),
+            timeout_s,
+        )
+    groups: dict[int, PlacementGroup] = _as_owner(
+        handle,
+        _create_placement_groups,
+        handle.namespace,
+        dict(zip(ranks, targets, strict=True)),
+        options,
+    )
+    placed = {rank: group.ready() for rank, group in groups.items()}
+    _, unplaced = ray.wait(list(placed.values()), num_returns=len(placed), timeout=timeout_s)
+    if unplaced:
+        waiting = sorted(rank for rank, ready in placed.items() if ready in unplaced)
+        raise ray.exceptions.GetTimeoutError(
+            f"ranks {waiting} found no node with room for {resources.bundle()} each within "
+            f"{timeout_s:.0f} s"
+        )
+    return groups
+
+
+def _as_owner(
+    handle: ClusterHandle, create: Callable[..., Any], *args: Any, keep_as: str | None = None
+) -> Any:
+    """Runs a create call in the cluster's owner (see `shoal.actors.owner`), so that what it
+    creates lives as the cluster lives; `keep_as` names an actor handle the owner holds."""
+    if handle.owner is None:
+        return create(*args)
+    call = handle.owner.run.remote(create, args, keep_as)
+    return ray.get(call, timeout=CONTROL_START_TIMEOUT_S)
+
+
+def _create_placement_groups(
+    namespace: str, targets: dict[int, str | None], options: LaunchOptions
+) -> dict[int, PlacementGroup]:
+    return {
+        rank: create_rank_placement_group(
+            namespace,
+            rank,
+            options.resources,
+            target_node_id=target,
+            detached=options.detached,
+        )
+        for rank, target in targets.items()
+    }
+
+
+def _create_engine_actor(
+    namespace: str,
+    rank: int,
+    group: PlacementGroup,
+    config: EngineConfig,
+    options: LaunchOptions,
+    rank_keys: CurveKeyPair,
+) -> EngineActorHandle:
+    return (
+        ray.remote(EngineCoreActor)
+        .options(
+            name=engine_actor_name(rank),
+            namespace=namespace,
+            lifetime="detached" if options.detached else None,
+            num_cpus=options.resources.num_cpus,
+            num_gpus=options.resources.num_gpus,
+            max_restarts=ENGINE_MAX_RESTARTS,
+            max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+        )
+        .remote(config, rank, namespace, options.host, rank_keys)
+    )
