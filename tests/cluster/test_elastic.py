@@ -1,6 +1,7 @@
 """Elastic resizes of real clusters on a local Ray while two drivers stream greedy requests:
 expert-parallel (tiny Mixtral over gloo) and dense (tiny Llama), up and down and to uneven
-splits, a new rank killed while it joins, two resizes at once, and ten cycles in a row."""
+splits (the drivers' prefix-cache indexes following), a new rank killed while it joins, a
+rollback that undoes only what was created, two resizes at once, and ten cycles in a row."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ import ray
 
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.cluster.elastic import ScaleError, ScaleInProgressError, scale
+from shoal.cluster.elastic import ScaleError, ScaleInProgressError, ScaleReport, _Resize, scale
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
-from shoal.cluster.placement import RankResources
+from shoal.cluster.placement import (
+    RankResources,
+    create_rank_placement_group,
+    placement_group_name,
+)
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import RECONFIGURED
 from tests.cluster.elastic_load import Load, Served
@@ -144,11 +149,15 @@ async def _resize_under_load(
         report = await drivers[0].scale_elastic_ep(size)
         assert report["outcome"] == "committed" and report["to_size"] == size
         epochs.append(report["epoch"])
-        # Both drivers route over exactly the registry's ranks.
+        # Both drivers route over exactly the registry's ranks, and their prefix-cache
+        # indexes hold exactly those ranks: a new rank has its entry, a removed one none.
         for llm in drivers:
+            index = llm.engine_core.kv_index  # type: ignore[attr-defined]
             deadline = time.monotonic() + 20
-            while sorted(llm.serving_ranks()) != list(range(size)):
-                assert time.monotonic() < deadline, (llm.serving_ranks(), size)
+            while sorted(llm.serving_ranks()) != list(range(size)) or sorted(index.views) != list(
+                range(size)
+            ):
+                assert time.monotonic() < deadline, (llm.serving_ranks(), sorted(index.views))
                 await asyncio.sleep(0.05)
         assert _ranks_in_registry(cluster) == list(range(size))
         # Serve a while at this size: new ranks take requests.
@@ -289,3 +298,26 @@ def test_ten_resize_cycles_grow_neither_memory_nor_descriptors(
         # After two warm-up cycles (allocator pools, lazily imported code), flat.
         assert max(fds[2:]) - fds[2] <= 4, fds
         assert max(rss[2:]) - rss[2] < 48 * 2**20, rss
+
+
+def test_a_rollback_undoes_what_was_created_not_what_was_asked_for(
+    dense_cluster: ClusterHandle, dense_checkpoint: str
+) -> None:
+    """A resize to 10,000 ranks that got as far as one new placement group rolls back that
+    group alone: the undo follows what exists, not the size asked for."""
+    config = EngineConfig.from_kwargs(dense_checkpoint, data_parallel_size=2, **ENGINE_KWARGS)
+    report = ScaleReport(epoch=99, from_size=2, to_size=10_002, outcome="")
+    resize = _Resize(dense_cluster, config, 99, 2, 10_002, 5.0, report)
+    resize.new_ranks = list(range(2, 10_002))
+    assert resize._created_ranks() == []
+    group = create_rank_placement_group(dense_cluster.namespace, 2, RankResources(num_cpus=1))
+    ray.get(group.ready(), timeout=30)
+    assert resize._created_ranks() == [2]
+
+    resize.roll_back(RuntimeError("a step failed"))
+
+    assert _live_placement_groups(dense_cluster) == {
+        placement_group_name(dense_cluster.namespace, rank) for rank in (0, 1)
+    }
+    assert _ranks_in_registry(dense_cluster) == [0, 1]
+    assert _named_engines(dense_cluster) == {"shoal-engine-0", "shoal-engine-1"}
