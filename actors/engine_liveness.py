@@ -140,6 +140,7 @@ class RankLiveness:
         self._probe_timeout_s = probe_timeout_s
         self._watchers: dict[int, asyncio.Task[None]] = {}
         self._probes: dict[bytes, asyncio.Task[bool]] = {}
+        self._rechecks: set[asyncio.Task[bool]] = set()
 
     def watch(self, rank: int, actor_name: str, identity: bytes) -> None:
         """Watches the incarnation `identity` of `rank` (instead of any earlier one)."""
@@ -152,6 +153,17 @@ class RankLiveness:
         watcher = self._watchers.pop(rank, None)
         if watcher is not None:
             watcher.cancel()
+
+    def recheck(self, rank: int, identity: bytes) -> None:
+        """Probes `identity` once, in the background, as if a client had reported it lost.
+
+        For a registry that Ray restarted: an engine that died while no registry watched (a
+        lost node takes both) would otherwise stay serving in the table it read back, and its
+        watch would wait for an actor that may never be placed again.
+        """
+        recheck = asyncio.get_running_loop().create_task(self.report_lost(rank, identity))
+        self._rechecks.add(recheck)
+        recheck.add_done_callback(self._rechecks.discard)
 
     async def report_lost(self, rank: int, identity: bytes) -> bool:
         """A client lost `identity` (see `RegistryActor.report_engine_lost`). Returns whether

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 SERVING_STATES = (RankState.READY, RankState.JOINING, RankState.LEAVING)
 # A client that has not long-polled for this long is pruned.
 CLIENT_TIMEOUT_S = 30.0
+# The rank failures kept for `shoal status` (the latest).
+MAX_RANK_FAILURES_KEPT = 64
 
 
 @dataclass
@@ -43,6 +45,8 @@ class TableState:
     # silent client is pruned, since its index is never given to anyone else).
     coordinator_public_key: bytes | None = None
     client_keys: dict[int, bytes] = field(default_factory=dict)
+    # (unix time, rank) of each rank incarnation found dead, oldest first; the latest kept.
+    rank_failures: list[tuple[float, int]] = field(default_factory=list)
 
     def resume(self, now: float) -> None:
         """After a restart: every client counts as just seen, and the epoch moves on so that
@@ -190,7 +194,14 @@ class MembershipTable:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""
         if self.is_serving(rank, identity):
             self.set_rank(replace(self._state.ranks[rank], state=RankState.DEAD))
+            failures = self._state.rank_failures
+            failures.append((time.time(), rank))
+            del failures[:-MAX_RANK_FAILURES_KEPT]
             self.bump()
+
+    def rank_failures(self) -> list[tuple[float, int]]:
+        """(unix time, rank) of the latest rank failures (`mark_dead`), oldest first."""
+        return list(self._state.rank_failures)
 
     def is_serving(self, rank: int, identity: bytes) -> bool:
         """Whether `identity` is the rank's registered incarnation and the rank is not DEAD."""

@@ -19,7 +19,8 @@ groups.
 Restarts: every change is written to the GCS key-value store (`StateStore`), and a registry
 that Ray restarts reads it back: ranks, endpoints, clients, the next client index and the
 resizes' record survive, the epoch moves on so every long-poller sees a change, and each
-registered engine is watched again.
+registered engine is watched again and probed once (it may have died while no registry
+watched: a lost node takes both).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class RegistryActor:
         for info in self._table.serving_ranks():
             assert info.endpoint is not None, "a serving rank has registered"
             self._liveness.watch(info.rank, info.actor_name, info.endpoint.identity)
+            self._liveness.recheck(info.rank, info.endpoint.identity)
         self._table.save()
 
     # --- membership ------------------------------------------------------------------------
@@ -283,6 +285,7 @@ class RegistryActor:
             "served_by": self._table.served_by,
             "stopping": membership.stopping,
             "stats_publish_address": membership.stats_publish_address,
+            "rank_failures": [{"at": at, "rank": r} for at, r in self._table.rank_failures()],
             **self._resizes.status(),
             "ranks": [
                 {

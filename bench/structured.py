@@ -9,27 +9,49 @@
 2. The engine: SmolLM2-135M on the CPU, the same chat requests greedy, under a JSON schema and
    free (EOS ignored, each request as many tokens as its structured answer); output tokens/s
    of each (best of --rounds) and the ratio.
+3. With --vllm, vLLM's CPU build beside it (`.bench/vllm-venv` on `.bench/smollm2-135m`, made
+   by `bench/setup_vllm_peer.sh`, run with `VLLM_CPU_OMP_THREADS_BIND=0-1
+   VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4`): the same chat requests, the same
+   schema (compact JSON on both sides: vLLM's `disable_any_whitespace`), its own offline
+   `LLM.chat`, in a fresh process each round, alternating with shoal's round. Each side warms
+   up with a request under another schema first, so neither round pays for building its
+   grammar library's tokenizer view. shoal serves the GGUF the peer's weights were converted
+   from (see `bench/engine_vs_vllm.py`). The CPU's vector flags are printed with the figures.
 
-    .venv/bin/python bench/structured.py [--num-requests 16] [--max-tokens 96]
+    .venv/bin/python bench/structured.py [--num-requests 16] [--max-tokens 96] [--vllm]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from shoal.client import LLM, SamplingParams
-from shoal.engine.loader import smollm2_gguf_path
-from shoal.engine.protocol import StructuredOutputsParams
-from shoal.engine.tokenizer import Tokenizer, load_tokenizer
+if TYPE_CHECKING:  # the vLLM worker runs in vLLM's venv, without shoal's dependencies
+    from shoal.client import LLM
+    from shoal.engine.tokenizer import Tokenizer
+
+VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
+VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
+VLLM_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+}
+MAX_MODEL_LEN = 1024
+# The warm-up's schema: builds each side's grammar machinery without caching the measured one.
+WARM_UP_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
 
 # A function as an agent framework declares it: nested objects, arrays, enums, patterns.
 BOOK_FLIGHT = {
@@ -109,6 +131,7 @@ def mean_ms(fn: Callable[[], Any], repeat: int) -> float:
 def bench_llguidance(tokenizer: Tokenizer, answer_ids: list[int]) -> dict[str, float]:
     import llguidance
 
+    from shoal.engine.protocol import StructuredOutputsParams
     from shoal.engine.structured_output import GrammarCompiler
 
     vocab = tokenizer.vocab_size
@@ -169,20 +192,9 @@ def _mask_stats(mask_s: list[float]) -> dict[str, float]:
     }
 
 
-def bench_engine(
-    path: str, num_requests: int, max_tokens: int, rounds: int
-) -> tuple[float, float, list[float], int]:
-    """(free tokens/s, structured tokens/s, best of rounds; each round's structured / free
-    ratio; structured outputs that validate).
-
-    The free run of each round generates, per request, exactly as many tokens as its
-    structured answer had (EOS ignored), so both runs compute the same batch shapes; the two
-    runs of a round follow each other, so a round's ratio sees the same machine load.
-    """
-    import jsonschema
-
-    llm = LLM(path, max_model_len=1024)
-    prompts = [
+def chat_prompts(num_requests: int) -> list[list[dict[str, str]]]:
+    """The engine workload: one weather question per request, cities and days varying."""
+    return [
         [
             {
                 "role": "user",
@@ -191,30 +203,137 @@ def bench_engine(
         ]
         for i in range(num_requests)
     ]
+
+
+def make_shoal_llm(path: str) -> LLM:
+    from shoal.client import LLM, SamplingParams
+    from shoal.engine.protocol import StructuredOutputsParams
+
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN)
+    warm_up = StructuredOutputsParams(json=WARM_UP_SCHEMA)
+    llm.chat(
+        chat_prompts(1), SamplingParams(max_tokens=4, structured_outputs=warm_up), use_tqdm=False
+    )
+    return llm
+
+
+def shoal_round(llm: LLM, num_requests: int, max_tokens: int) -> dict[str, Any]:
+    """One round on shoal: the structured run, then the free run of the same lengths.
+
+    The free run generates, per request, exactly as many tokens as its structured answer had
+    (EOS ignored), so both runs compute the same batch shapes; they follow each other, so the
+    round's ratio sees the same machine load.
+    """
+    from shoal.client import SamplingParams
+    from shoal.engine.protocol import StructuredOutputsParams
+
+    prompts = chat_prompts(num_requests)
     constraint = StructuredOutputsParams(json=WEATHER)
     structured = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint
     )
-    llm.chat(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    best = {"free": 0.0, "structured": 0.0}
-    ratios = []
-    num_valid = 0
-    for _ in range(rounds):
-        start = time.perf_counter()
-        outputs = llm.chat(prompts, structured, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        lengths = [len(o.outputs[0].token_ids) for o in outputs]
-        structured_rate = sum(lengths) / elapsed
-        num_valid = sum(_is_valid(o.outputs[0].text, jsonschema) for o in outputs)
-        free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-        start = time.perf_counter()
-        llm.chat(prompts, free, use_tqdm=False)
-        free_rate = sum(lengths) / (time.perf_counter() - start)
-        ratios.append(structured_rate / free_rate)
-        best["structured"] = max(best["structured"], structured_rate)
-        best["free"] = max(best["free"], free_rate)
+    start = time.perf_counter()
+    outputs = llm.chat(prompts, structured, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.perf_counter()
+    llm.chat(prompts, free, use_tqdm=False)
+    free_elapsed = time.perf_counter() - start
+    return {
+        "structured": sum(lengths) / elapsed,
+        "free": sum(lengths) / free_elapsed,
+        "texts": [o.outputs[0].text for o in outputs],
+    }
+
+
+def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
+    """`shoal_round` on vLLM, in vLLM's venv (no shoal import)."""
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        disable_log_stats=True,
+    )
+    prompts = job["prompts"]
+
+    def constrained(schema: dict[str, Any], max_tokens: int) -> Any:
+        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint)
+
+    llm.chat(prompts[:1], constrained(WARM_UP_SCHEMA, 4), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.chat(prompts, constrained(job["schema"], job["max_tokens"]), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.perf_counter()
+    llm.chat(prompts, free, use_tqdm=False)
+    free_elapsed = time.perf_counter() - start
+    return {
+        "structured": sum(lengths) / elapsed,
+        "free": sum(lengths) / free_elapsed,
+        "texts": [o.outputs[0].text for o in outputs],
+    }
+
+
+def vllm_round(num_requests: int, max_tokens: int) -> dict[str, Any]:
+    """One round on vLLM, in a fresh process of its venv."""
+    job = {
+        "model": str(VLLM_MODEL),
+        "prompts": chat_prompts(num_requests),
+        "schema": WEATHER,
+        "max_tokens": max_tokens,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        proc = subprocess.run(
+            [str(VLLM_PYTHON), __file__, "--worker", "vllm", "--job", f.name],
+            env={**os.environ, **VLLM_ENV},
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"vLLM worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def bench_engines(
+    path: str, num_requests: int, max_tokens: int, rounds: int, with_vllm: bool
+) -> dict[str, list[dict[str, Any]]]:
+    """Each engine's rounds, alternating (who goes first rotates), each with its outputs'
+    validity counted."""
+    import jsonschema
+
+    llm = make_shoal_llm(path)
+    engines = ["shoal", "vllm"] if with_vllm else ["shoal"]
+    results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for r in range(rounds):
+        for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
+            if engine == "shoal":
+                result = shoal_round(llm, num_requests, max_tokens)
+            else:
+                result = vllm_round(num_requests, max_tokens)
+            result["num_valid"] = sum(_is_valid(t, jsonschema) for t in result.pop("texts"))
+            results[engine].append(result)
+            print(
+                f"  round {r + 1} {engine:5s} JSON schema {result['structured']:7.1f}, free "
+                f"{result['free']:7.1f} output tokens/s ({result['num_valid']}/{num_requests} "
+                f"validate; load {_load()})",
+                flush=True,
+            )
     llm.shutdown()
-    return best["free"], best["structured"], ratios, num_valid
+    return results
 
 
 def _is_valid(text: str, jsonschema: Any) -> bool:
@@ -225,13 +344,45 @@ def _is_valid(text: str, jsonschema: Any) -> bool:
     return True
 
 
+def cpu_flags() -> str:
+    """The CPU's model and its vector extensions (what both engines' kernels can use)."""
+    model, flags = "?", set()
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    return f"{model}, {os.cpu_count()} cores: {' '.join(vector)}"
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="engine rounds")
     parser.add_argument("--skip-engine", action="store_true", help="library figures only")
+    parser.add_argument(
+        "--vllm", action="store_true", help="also run vLLM's CPU build, alternating rounds"
+    )
+    parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker_vllm(json.loads(Path(args.job).read_text()))))
+        return
+    if args.vllm and not (VLLM_PYTHON.exists() and (VLLM_MODEL / "config.json").exists()):
+        sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
+    from shoal.engine.loader import smollm2_gguf_path
+    from shoal.engine.tokenizer import load_tokenizer
+
+    print(f"CPU {cpu_flags()}; load average {_load()}")
     path = smollm2_gguf_path()
     tokenizer = load_tokenizer(path)
     answer_ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), False)
@@ -250,18 +401,29 @@ def main() -> None:
         )
     if args.skip_engine:
         return
-    free, structured, ratios, num_valid = bench_engine(
-        path, args.num_requests, args.max_tokens, args.rounds
-    )
     print(
-        f"engine, {args.num_requests} greedy chat requests, SmolLM2-135M on CPU "
-        f"(best of {args.rounds} rounds):\n"
-        f"  free        {free:8.1f} output tokens/s\n"
-        f"  JSON schema {structured:8.1f} output tokens/s  ({structured / free:.2f}x; "
-        f"{num_valid}/{args.num_requests} outputs validate)\n"
-        f"  structured / free per round: {', '.join(f'{r:.2f}' for r in ratios)} "
-        f"(median {statistics.median(ratios):.2f}x)"
+        f"engine, {args.num_requests} greedy chat requests, SmolLM2-135M fp32 on CPU, "
+        f"{args.rounds} rounds:"
     )
+    results = bench_engines(path, args.num_requests, args.max_tokens, args.rounds, args.vllm)
+    for engine, rounds in results.items():
+        ratios = [r["structured"] / r["free"] for r in rounds]
+        best_structured = max(r["structured"] for r in rounds)
+        best_free = max(r["free"] for r in rounds)
+        print(
+            f"  {engine}: best JSON schema {best_structured:.1f}, best free {best_free:.1f} "
+            f"output tokens/s ({best_structured / best_free:.2f}x); structured / free per "
+            f"round {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(median {statistics.median(ratios):.2f}x)"
+        )
+    if args.vllm:
+        pairs = list(zip(results["shoal"], results["vllm"], strict=True))
+        ratios = [a["structured"] / b["structured"] for a, b in pairs]
+        print(
+            f"  shoal / vLLM structured throughput per round: "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}x)"
+        )
+    print(f"load average after: {_load()}")
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ from typing import Any
 
 import zmq
 
+from shoal.client.attach import RECHECK_TIMEOUT_S, Handshake, Purpose
 from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
-    HELLO_RESEND_S,
-    KEY_REFUSAL_POLL_S,
-    RECHECK_TIMEOUT_S,
     EngineAttachError,
     EngineIdentity,
-    EngineUtilityError,
     MPClient,
-    send_hello,
 )
+from shoal.client.output_dispatch import EngineUtilityError
+from shoal.client.sockets import send_hello
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import EngineCoreOutputs, EngineEndpoint, EngineFacts
 
@@ -78,7 +76,7 @@ class AsyncEngineSetMixin(MPClient):
         self._ensure_output_queue_task()
         await asyncio.sleep(self._reconnect_wait_s(endpoint.identity))
         self._connect_engine(endpoint, process)
-        return await self._hello_async(endpoint)
+        return await self._hello_async(endpoint, Purpose.ATTACH)
 
     async def reattach_engine_async(
         self, engine_index: int, *, detach_on_failure: bool = True
@@ -119,7 +117,9 @@ class AsyncEngineSetMixin(MPClient):
         engines.begin_reattach(engine_index)
         # Counted dead until it answers: a request meanwhile waits (`_wait_for_return`) rather
         # than go to an engine that may never take it.
-        return await self._hello_async(endpoint, detach_on_failure=detach_on_failure)
+        return await self._hello_async(
+            endpoint, Purpose.REATTACH, detach_on_failure=detach_on_failure
+        )
 
     def _on_engine_lost(self, engine_index: int) -> None:
         """Called by the output task for an engine it learned is dead, but not for good.
@@ -138,61 +138,60 @@ class AsyncEngineSetMixin(MPClient):
         task.add_done_callback(resources.side_tasks.discard)
 
     async def _hello_async(
-        self, endpoint: EngineEndpoint, *, detach_on_failure: bool = True
+        self, endpoint: EngineEndpoint, purpose: Purpose, *, detach_on_failure: bool = True
     ) -> EngineFacts:
-        """HELLO on the connected input socket until answered; a failure detaches the engine,
-        or with `detach_on_failure=False` leaves it counted dead."""
-        engine_index = endpoint.engine_index
+        """Attaches (ATTACH, REATTACH) through a handshake; a failure detaches the engine, or
+        with `detach_on_failure=False` leaves it counted dead."""
         try:
-            facts = await self._ask_hello(endpoint, self._hello_timeout_s)
-        except EngineUtilityError as e:
-            self._on_hello_failed(engine_index, detach_on_failure)
-            raise EngineAttachError(f"engine {engine_index} refused this client: {e}") from None
-        except TimeoutError:
-            self._on_hello_failed(engine_index, detach_on_failure)
-            raise TimeoutError(f"engine {engine_index} did not answer HELLO in time") from None
+            handshake = await self._handshake_async(endpoint, purpose, self._hello_timeout_s)
         except zmq.ZMQError:
-            self._on_hello_failed(engine_index, detach_on_failure)
+            self._on_hello_failed(endpoint.engine_index, detach_on_failure)
             raise
-        self._on_attached(engine_index, facts)
+        facts = self._settle(handshake, detach_on_failure=detach_on_failure)
+        assert facts is not None, "an attach that settles has facts"
         return facts
 
-    async def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
-        """Says HELLO, again every HELLO_RESEND_S (as `_attach_blocking` does), until answered.
+    async def _handshake_async(
+        self,
+        endpoint: EngineEndpoint,
+        purpose: Purpose,
+        timeout_s: float,
+        known: EngineFacts | None = None,
+    ) -> Handshake:
+        """Drives one handshake without blocking the loop; the output task hands the answer
+        over as it does a utility call's.
+
+        Returns:
+            The finished handshake (its `outcome` says how it ended).
 
         Raises:
-            EngineUtilityError: the engine refused.
-            TimeoutError: no answer within `timeout_s`.
             EngineDeadError, zmq.ZMQError: the engine died, or could not be sent to.
         """
-        call_id, message = self._hello_message()
+        handshake = self._hellos.handshake(endpoint, purpose, timeout_s=timeout_s, known=known)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self.utility_results[call_id] = future
-        self.utility_engines[call_id] = endpoint.engine_index
-        deadline = loop.time() + timeout_s
+        self.utility_results[handshake.call_id] = future
+        self.utility_engines[handshake.call_id] = endpoint.engine_index
         router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
         try:
-            await _send_hello_async(router, endpoint.identity, message, deadline)
-            while True:
-                resend_at = min(loop.time() + HELLO_RESEND_S, deadline)
-                while loop.time() < resend_at:
-                    self._check_key_accepted(endpoint.engine_index)
-                    wait_s = min(KEY_REFUSAL_POLL_S, max(0.0, resend_at - loop.time()))
-                    try:
-                        facts: EngineFacts = await asyncio.wait_for(asyncio.shield(future), wait_s)
-                        return facts
-                    except TimeoutError:
-                        pass
-                if loop.time() >= deadline:
-                    raise TimeoutError
-                logger.warning(
-                    "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
-                )
-                await _send_hello_async(router, endpoint.identity, message, deadline)
+            step = handshake.start(loop.time())
+            while step.outcome is None:
+                frames = self._hello_frames(handshake, step)
+                if frames is not None:
+                    await _send_hello_async(router, endpoint.identity, frames, handshake.deadline)
+                try:
+                    wait_s = handshake.wait_s(loop.time())
+                    result = await asyncio.wait_for(asyncio.shield(future), wait_s)
+                except TimeoutError:
+                    step = self._tick(handshake, loop.time())
+                except EngineUtilityError as e:
+                    step = handshake.on_refusal(str(e))
+                else:
+                    step = handshake.on_answer(result)
+            return handshake
         finally:
-            self.utility_results.pop(call_id, None)
-            self.utility_engines.pop(call_id, None)
+            self.utility_results.pop(handshake.call_id, None)
+            self.utility_engines.pop(handshake.call_id, None)
 
     def _on_hello_failed(self, engine_index: int, detach: bool) -> None:
         if detach:
@@ -202,11 +201,10 @@ class AsyncEngineSetMixin(MPClient):
         """Asks, in a side task, whether every attached engine still counts this client attached
         (on the monitor's RECHECK_ATTACHED: one may have let this client go without a word).
 
-        The question is a repeated HELLO on the same connection: an engine that still has this
-        client attached answers it with the same attach serial; one that let it go attaches it
-        afresh, under a new serial. The requests this client had there are gone, so such an
-        engine counts as lost (`EngineMonitor.declare_lost`): they fail, and it is attached
-        again as any lost engine is. An engine that does not answer is left to the monitor.
+        Each question is a RECHECK handshake (`shoal.client.attach`); an engine that let this
+        client go counts as lost (`MPClient._on_let_go`): the requests there fail, and it is
+        attached again as any lost engine is. An engine that does not answer is left to the
+        monitor.
         """
         if self._recheck_task is not None and not self._recheck_task.done():
             self._is_recheck_due = True  # asked again while asking: once more after
@@ -220,27 +218,17 @@ class AsyncEngineSetMixin(MPClient):
         self._is_recheck_due = True
         while self._is_recheck_due:
             self._is_recheck_due = False
-            known = self.engine_set.attached_facts()
-            answers = await asyncio.gather(
-                *(self._ask_hello(endpoint, RECHECK_TIMEOUT_S) for endpoint, _ in known.values()),
+            known = self.engine_set.attached_facts().values()
+            handshakes = await asyncio.gather(
+                *(
+                    self._handshake_async(endpoint, Purpose.RECHECK, RECHECK_TIMEOUT_S, facts)
+                    for endpoint, facts in known
+                ),
                 return_exceptions=True,
             )
-            for (index, (_, facts)), answer in zip(known.items(), answers, strict=True):
-                if isinstance(answer, BaseException):
-                    continue  # dead, hung or removed: the monitor or a removal tells of it
-                if answer.attach_serial != facts.attach_serial:
-                    self._on_let_go(index, "it attached this client afresh")
-
-    def _on_let_go(self, engine_index: int, evidence: str) -> None:
-        """An engine let this client go (it took it for dead): the requests there are lost, so
-        it counts as lost (once), and is attached again as any lost engine is."""
-        assert self.resources.engine_monitor is not None
-        if self.resources.engine_monitor.declare_lost(engine_index):
-            logger.warning(
-                "engine %d no longer counts this client attached (%s); its requests there are lost",
-                engine_index,
-                evidence,
-            )
+            for handshake in handshakes:
+                if not isinstance(handshake, BaseException):  # else dead or removed: told apart
+                    self._settle(handshake)
 
     async def _wait_for_return(self, engine_index: int | None) -> bool:
         """Waits up to ENGINE_RETURN_WAIT_S for a dead engine to be attached again.
@@ -297,13 +285,13 @@ async def _reattach_while_alive(
 
 
 async def _send_hello_async(
-    router: zmq.Socket, identity: EngineIdentity, message: tuple[Any, ...], deadline: float
+    router: zmq.Socket, identity: EngineIdentity, frames: tuple[Any, ...], deadline: float
 ) -> None:
     """Sends HELLO without blocking the loop, retrying while the connection is being set up."""
     loop = asyncio.get_running_loop()
     while True:  # connection setup, not the data path
         try:
-            send_hello(router, identity, message, deadline=0.0)
+            send_hello(router, identity, frames, deadline=0.0)
             return
         except zmq.ZMQError:
             if loop.time() > deadline:

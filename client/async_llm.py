@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.client.async_mp_client import AsyncMPClient
 from shoal.client.engine_client import EngineCoreClient
 from shoal.client.fan_out import generate_fan_out
+from shoal.client.migration import DEFAULT_MIGRATION_LIMIT, RequestsLostError
 from shoal.client.output_processor import OutputProcessor, RequestOutputCollector
 from shoal.client.outputs import RequestOutput
 from shoal.client.prompts import PromptType, tokenize_prompt
@@ -59,6 +60,7 @@ class AsyncLLM:
         name: str | None = None,
         policy: str = "cache-aware",
         ready_timeout_s: float = 0.0,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> AsyncLLM:
         """Attaches to a running shoal cluster (started by `shoal serve` or `shoal.cluster.launch`).
 
@@ -72,6 +74,11 @@ class AsyncLLM:
             ready_timeout_s: how long to wait for a cluster that is still being launched (by a
                 `shoal serve` job just submitted, say) until one of its ranks serves. 0: no
                 wait.
+            migration_limit: how often one request may move to another rank when its rank
+                dies or hangs; it goes on from the tokens already streamed, so the stream
+                neither repeats nor skips a token (`shoal.client.migration`). Past the limit,
+                for a request pinned by `data_parallel_rank`, or with 0, the request fails
+                with `EngineDeadError`.
 
         Raises:
             ClusterNotFoundError: no cluster runs in the namespace (within `ready_timeout_s`).
@@ -86,6 +93,7 @@ class AsyncLLM:
             name=name,
             policy=policy,
             ready_timeout_s=ready_timeout_s,
+            migration_limit=migration_limit,
         )
         try:
             tokenizer = await link.load_tokenizer()
@@ -252,14 +260,19 @@ class AsyncLLM:
         while True:
             try:
                 outputs = await client.get_output_async()
+            except RequestsLostError as lost:  # requests that could not move off a failed rank
+                processor.fail_requests(lost.request_ids, lost)
+                continue
             except EngineDeadError as dead:
                 alive = not client.is_terminal(dead)
                 if alive and dead.engine_index is not None:
-                    # Not those the rank handed to another one before it went (a resize).
+                    # Not those the rank handed to another one before it went (a resize), nor
+                    # those moving to another one now (a failure).
                     ids = [
                         rid
                         for rid in processor.request_ids_on_engine(dead.engine_index)
                         if client.rank_of(rid) in (None, dead.engine_index)
+                        and not client.is_moving(rid)
                     ]
                 else:
                     ids = processor.request_ids()

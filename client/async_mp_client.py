@@ -20,13 +20,13 @@ import zmq
 import zmq.asyncio
 
 from shoal.client.async_engine_set import AsyncEngineSetMixin
-from shoal.client.engine_monitor import is_recheck_notice
-from shoal.client.mp_client import (
-    BackgroundResources,
-    EngineIdentity,
+from shoal.client.attach import RecheckNotice, read_notice
+from shoal.client.mp_client import BackgroundResources, EngineIdentity
+from shoal.client.output_dispatch import (
     as_engine_error,
     fail_utility_calls,
     format_exception,
+    learn_notice,
     process_utility_output,
 )
 from shoal.engine.errors import EngineDeadError
@@ -177,13 +177,16 @@ class AsyncMPClient(AsyncEngineSetMixin):
                     else:
                         frames = await output_socket.recv_multipart(copy=False)
                         num_unyielded = 1
-                    try:
-                        if not engines.validate_alive(frames):
-                            if is_recheck_notice(frames) and (_self := _self_ref()) is not None:
-                                _self._recheck_attached()
-                                del _self
+                    notice = read_notice(frames)
+                    if isinstance(notice, RecheckNotice):
+                        if (_self := _self_ref()) is not None:
+                            _self._recheck_attached()
+                            del _self
+                        continue
+                    if notice is not None:
+                        dead = learn_notice(notice, engines)
+                        if dead is None:
                             continue
-                    except EngineDeadError as dead:
                         fail_utility_calls(
                             utility_results, utility_engines, dead.engine_index, dead
                         )
@@ -278,6 +281,10 @@ class AsyncMPClient(AsyncEngineSetMixin):
         """The engine serving a request: the first engine (single-engine calls go there)."""
         indices = self.engine_set.indices()
         return indices[0] if indices else None
+
+    def is_moving(self, request_id: str) -> bool:
+        """Never: with one engine a request has nowhere to move (`DPLBAsyncMPClient` moves)."""
+        return False
 
     def _send_input(
         self,

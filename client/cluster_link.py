@@ -24,6 +24,7 @@ from shoal.actors.membership import Membership, RankState
 from shoal.client.dp_client import DPLBAsyncMPClient
 from shoal.client.engine_client import EngineSetClient
 from shoal.client.lb_policy import make_policy
+from shoal.client.migration import DEFAULT_MIGRATION_LIMIT
 from shoal.client.mp_client import EngineAttachError
 from shoal.cluster import elastic
 from shoal.cluster.elastic import ScaleReport
@@ -90,11 +91,14 @@ class ClusterLink:
         name: str | None = None,
         policy: str = "cache-aware",
         ready_timeout_s: float = 0.0,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> ClusterLink:
         """Attaches a new `DPLBAsyncMPClient` to the cluster in `namespace`.
 
         Args:
             policy: the routing policy's name (`shoal.client.lb_policy.make_policy`).
+            migration_limit: how often one request may move off a failed rank
+                (`shoal.client.migration`); 0: a rank's failure fails its requests.
             ready_timeout_s: how long to wait for the cluster to be launched and for one of
                 its ranks to serve (a cluster that is still starting). 0: no wait.
 
@@ -129,6 +133,7 @@ class ClusterLink:
                 stats_address=membership.stats_publish_address,
                 stats_server_key=membership.coordinator_public_key,
                 policy=routing_policy,
+                migration_limit=migration_limit,
                 hello_timeout_s=ATTACH_TIMEOUT_S,
                 curve_keys=keys,
             )

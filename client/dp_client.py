@@ -32,19 +32,18 @@ from shoal.client.lb_policy import (
     RoutingDecision,
     make_policy,
 )
+from shoal.client.migration import DEFAULT_MIGRATION_LIMIT, RequestMigrator
 from shoal.client.routing import RequestRouter
 from shoal.engine.block_hash import prompt_routing_keys
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.parallel.elastic import RECONFIGURED, SHUTDOWN_COMPLETE, ScaleNotice
 from shoal.engine.protocol import (
     DPStatsSnapshot,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineEndpoint,
     EngineFacts,
     EngineStatsReport,
-    FinishReason,
     KVCacheSnapshot,
     SchedulerStats,
 )
@@ -253,6 +252,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     Args:
         endpoints, stats_address, **kwargs: as for `DPAsyncMPClient`.
         policy: the routing policy; default `make_policy("cache-aware")`.
+        migration_limit: how often one request may move off a failed rank to another
+            (`shoal.client.migration`); 0: a rank's failure fails its requests.
     """
 
     wants_kv_events = True
@@ -262,9 +263,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         endpoints: Sequence[EngineEndpoint],
         *,
         policy: LoadBalancePolicy | None = None,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         **kwargs: Any,
     ) -> None:
         self.policy = policy or make_policy("cache-aware")
+        self.migrator = RequestMigrator(migration_limit)
         self.router = RequestRouter()
         self.kv_index = KVCacheIndex()
         super().__init__(endpoints, **kwargs)
@@ -330,12 +333,17 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """The rank serving an in-flight request of this client."""
         return self.router.rank_of(request_id)
 
+    def is_moving(self, request_id: str) -> bool:
+        """Whether a request left a failed rank and is on its way to another one."""
+        return self.migrator.is_moving(request_id)
+
     async def add_request_async(
         self,
         request: EngineCoreRequest,
         engine: bytes | None = None,
         *,
         session_id: str | None = None,
+        num_migrations: int = 0,
     ) -> None:
         """Sends a request to the rank its pin or the policy picks.
 
@@ -344,6 +352,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             engine: ignored (the rank is chosen here).
             session_id: keep this session on one rank while its load allows (the policy's
                 `SessionAffinityPolicy`); None: no affinity.
+            num_migrations: how often it moved off a failed rank already (the migrator's).
         """
         try:
             decision = self._decide(request, session_id)
@@ -364,7 +373,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             predicted = decision.predicted_hit_tokens
             self.router.stats.on_decision(decision.reason)
         num_tokens = len(request.prompt_token_ids)
-        self.router.on_sent(request.request_id, rank, num_tokens, request, predicted)
+        self.router.on_sent(
+            request.request_id, rank, num_tokens, request, predicted, num_migrations
+        )
         self.policy.on_sent(rank)
         try:
             await super().add_request_async(request, endpoint.identity)
@@ -376,19 +387,20 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self, request_ids: list[str], engine: bytes | None = None
     ) -> None:
         """Sends each abort to the rank that owns the request."""
+        self.migrator.forget(request_ids)
         for rank, ids in self.router.on_aborted(request_ids).items():
             endpoint = self.engine_set.endpoint(rank)
             if endpoint is not None and not self.engine_set.is_dead(rank):
                 await super().abort_requests_async(ids, endpoint.identity)
 
     async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
-        """Keeps the in-flight map, the view of the sending rank's load and its cache current."""
-        router = self.router
-        for output in outputs.outputs:
-            router.on_output(
-                output.request_id, output.finished, output.new_token_ids, output.num_cached_tokens
-            )
-        events, rank = outputs.kv_events, outputs.engine_index
+        """Keeps the in-flight map, the view of the sending rank's load and its cache current;
+        drops outputs of requests not routed to the sending rank (moved off it, or unknown)."""
+        rank = outputs.engine_index
+        kept = self.router.on_outputs(outputs.outputs, rank)
+        if kept is not None:
+            outputs.outputs = kept
+        events = outputs.kv_events
         if (
             events is not None
             and rank in self.engine_set
@@ -401,23 +413,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             )
 
     async def _on_rank_released(self, rank: int, request_ids: list[str]) -> None:
-        """Hands each released request to another rank, with the tokens it has so far; one
-        that cannot be placed finishes with an error."""
-        for request_id in request_ids:
-            entry = self.router.take(request_id, rank)
-            if entry is None:
-                continue  # finished or aborted meanwhile
-            try:
-                await self.add_request_async(entry.resumed_request())
-            except (EngineDeadError, RequestError) as e:
-                failed = EngineCoreOutput(
-                    request_id,
-                    finish_reason=FinishReason.ERROR,
-                    error_message=f"its rank left the cluster and no other rank took it: {e}",
-                )
-                self.outputs_queue.put_nowait(
-                    EngineCoreOutputs(engine_index=rank, outputs=[failed])
-                )
+        """Hands each released request to another rank (`RequestMigrator.on_rank_released`)."""
+        await self.migrator.on_rank_released(self, rank, request_ids)
 
     def _on_rank_stats(self, rank: int, stats: SchedulerStats, requests_seen: int) -> None:
         if rank in self.engine_set:
@@ -425,6 +422,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             self.policy.on_stats(rank)
 
     def _on_rank_unroutable(self, engine_index: int) -> None:
+        """The rank died, or was removed while this client still had requests there: they
+        move to other ranks (`RequestMigrator.on_rank_failed`) before the consumer hears of
+        it; then the rank is forgotten."""
+        self.migrator.on_rank_failed(self, engine_index)
         super()._on_rank_unroutable(engine_index)
         self.router.forget_rank(engine_index)
         self.kv_index.drop_rank(engine_index)

@@ -48,6 +48,9 @@ class EngineCoreClient(Protocol):
     def rank_of(self, request_id: str) -> int | None:
         """The engine index serving an in-flight request."""
 
+    def is_moving(self, request_id: str) -> bool:
+        """Whether a request left a failed engine and is on its way to another one."""
+
     def serving_engines(self) -> list[int]:
         """The engine indices that take new requests now (attached, not counted dead)."""
 

@@ -22,28 +22,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
 
 import zmq
 
-from shoal.engine.protocol import ENGINE_CORE_DEAD
-
-if TYPE_CHECKING:
-    from shoal.client.engine_set import EngineSet
+from shoal.client.attach import RECHECK_NOTICE, death_notice
+from shoal.client.engine_set import EngineSet
 
 logger = logging.getLogger(__name__)
-
-# The notice (as [RECHECK_ATTACHED, b""]) that the client may have been let go. As long as
-# ENGINE_CORE_DEAD, so one length test tells both notices from engine messages.
-RECHECK_ATTACHED = b"RECHECK_ATTACHED"
-assert len(RECHECK_ATTACHED) == len(ENGINE_CORE_DEAD)
-
-
-def is_recheck_notice(frames: Sequence[zmq.Frame]) -> bool:
-    return len(frames) == 2 and frames[0].bytes == RECHECK_ATTACHED
-
 
 # How long an engine's input connection may stay down before the engine counts as dead.
 ENGINE_DISCONNECT_GRACE_S = 1.0
@@ -139,9 +125,9 @@ class EngineMonitor(threading.Thread):
                     is_recheck_due = True  # every event subscribed there is a DISCONNECTED
                 for engine_index in self._find_dead():
                     logger.error("engine %d is gone, or lost to this client", engine_index)
-                    notify.send_multipart([ENGINE_CORE_DEAD, str(engine_index).encode()])
+                    notify.send_multipart(death_notice(engine_index))
                 if is_recheck_due:
-                    notify.send_multipart([RECHECK_ATTACHED, b""])
+                    notify.send_multipart(RECHECK_NOTICE)
         except zmq.ContextTerminated:
             pass
         finally:

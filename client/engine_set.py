@@ -16,26 +16,22 @@ process this client launched for it (if any), and its liveness. An engine moves 
 
 Whoever changes the set goes through these methods; the client classes hook what a change
 means to them (routing, pending calls) around them, and everything else only asks. It is safe
-to ask from the engine monitor's and the output thread's threads: every method that reads or
-changes the engines holds the set's lock; the two flags (`set_engines_can_return`,
-`reattach_launched_engines`) and `len` / `in` are single reads or writes.
+to ask from the engine monitor's and the output thread's threads: every method that changes
+the engines, or walks them, holds the set's lock; the lookups of one engine (`endpoint`,
+`facts`, `index_of`, `is_dead`, `is_draining`, `is_key_refused`), the two flags
+(`set_engines_can_return`, `reattach_launched_engines`) and `len` / `in` take none: each is one
+dict read or one attribute read or write, which the interpreter does whole, and reads a value
+that only a locked change replaces.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
-import zmq
-
-from shoal.client.engine_monitor import RECHECK_ATTACHED
 from shoal.engine.errors import EngineDeadError
-from shoal.engine.protocol import ENGINE_CORE_DEAD, EngineEndpoint, EngineFacts
-
-logger = logging.getLogger(__name__)
+from shoal.engine.protocol import EngineEndpoint, EngineFacts
 
 EngineIdentity = bytes  # an engine's ROUTER routing id
 
@@ -268,36 +264,6 @@ class EngineSet:
                 raise ValueError(f"engine {engine_index} is not attached")
             self._index_of.pop(entry.endpoint.identity, None)
             return entry.endpoint, entry.process, entry.is_dead
-
-    def validate_alive(self, frames: Sequence[zmq.Frame]) -> bool:
-        """Checks a message from the output socket for a death notice.
-
-        Returns:
-            True for a data message; False for a RECHECK_ATTACHED notice (the client acts on
-            it; see `shoal.client.engine_monitor`), a repeated notice of a death, or one that
-            names no engine of this set (dropped).
-
-        Raises:
-            EngineDeadError: on the first notice that an engine died, and once more when an
-                engine counted dead that could come back no longer can (its process exited).
-        """
-        if len(frames) != 2 or len(frames[0]) != len(ENGINE_CORE_DEAD):
-            return True
-        kind = frames[0].bytes
-        if kind == RECHECK_ATTACHED:
-            return False
-        if kind != ENGINE_CORE_DEAD:
-            return True
-        detail = frames[1].bytes
-        if not detail.isdigit():  # no engine or monitor of this client sends that
-            logger.warning("dropped a malformed death notice: %r", detail)
-            return False
-        if not self.learn_death(int(detail)):
-            return False
-        raise EngineDeadError(
-            "it sent ENGINE_CORE_DEAD, disappeared, or let this client go",
-            engine_index=int(detail),
-        )
 
     def _may_return_locked(self, entry: _Engine) -> bool:
         if self._engines_can_return:

@@ -4,13 +4,13 @@ One ROUTER carries input to every engine (each connection named by the engine's 
 one bound PULL receives every engine's outputs. `MPClient` owns the sockets, the HELLO handshake,
 the engine set (which may change at run time) and the engine monitor; the variants add how
 outputs are consumed: a thread (`shoal.client.sync_mp_client`) or an asyncio task
-(`shoal.client.async_mp_client`). The helpers at the end are shared by both consumers.
+(`shoal.client.async_mp_client`). The handshake itself is `shoal.client.attach`'s state
+machine; what both output consumers share is `shoal.client.output_dispatch`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 import uuid
 import weakref
@@ -21,40 +21,39 @@ from typing import Any, Literal, TypeVar
 import zmq
 import zmq.asyncio
 
+from shoal.client.attach import (
+    Attached,
+    Frames,
+    Handshake,
+    HelloMaker,
+    LetGo,
+    Purpose,
+    Refused,
+    Step,
+    TimedOut,
+    read_notice,
+)
 from shoal.client.background_resources import CLOSE_LINGER_MS, BackgroundResources, send_goodbye
 from shoal.client.engine_monitor import EngineMonitor
 from shoal.client.engine_set import EngineIdentity, EngineSet
+from shoal.client.output_dispatch import (
+    AnyFuture,
+    OutputDecoder,
+    fail_utility_calls,
+    learn_notice,
+)
+from shoal.client.sockets import make_input_socket, make_output_socket, send_hello
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.curve import ClientCurve, CurveKeyPair, EngineKeys, attach_refusal
 from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.errors import EngineDeadError, RequestError
-from shoal.engine.protocol import (
-    EngineCoreOutputs,
-    EngineCoreRequestType,
-    EngineEndpoint,
-    EngineFacts,
-    EngineHello,
-    UtilityOutput,
-)
-from shoal.engine.serial import MsgpackDecoder, MsgpackEncoder
+from shoal.engine.protocol import EngineCoreRequestType, EngineEndpoint, EngineFacts
+from shoal.engine.serial import MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-AnyFuture = Any  # a concurrent.futures.Future (sync client) or an asyncio.Future
-
-# ZMTP heartbeats on the input connections, so a silent engine host is noticed too.
-_HEARTBEAT_IVL_MS = 1000
-_HEARTBEAT_TIMEOUT_MS = 3000
-
-
-# How long to wait for an engine's HELLO answer before asking again.
-HELLO_RESEND_S = 2.0
-# While a HELLO waits: how often it looks whether the engine refused this client's key.
-KEY_REFUSAL_POLL_S = 0.1
 # How long a request for an engine that is being attached again waits for it.
 ENGINE_RETURN_WAIT_S = 10.0
-# How long an engine may take to answer the HELLO of a recheck (RECHECK_ATTACHED).
-RECHECK_TIMEOUT_S = 5.0
 # How long an engine's identity stays off limits to a new connection after its connection was
 # closed: libzmq aborts the process when a connection takes a routing id that a closing one
 # still holds (libzmq#1572), and a closing connection lingers up to CLOSE_LINGER_MS while it
@@ -62,10 +61,6 @@ RECHECK_TIMEOUT_S = 5.0
 SAME_IDENTITY_RECONNECT_S = CLOSE_LINGER_MS / 1000 + 0.2
 
 _Client = TypeVar("_Client", bound="MPClient")
-
-
-class EngineUtilityError(RuntimeError):
-    """A utility call failed on the engine (or was refused); the engine itself is fine."""
 
 
 class EngineAttachError(RuntimeError):
@@ -136,8 +131,10 @@ class MPClient:
             else ClientCurve(sync_ctx, curve_keys, f"client {client_index}")
         )
         try:
-            self.input_socket = self._make_input_socket()
-            self.output_socket, self.output_address = self._make_output_socket(host, transport)
+            self.input_socket = make_input_socket(self.ctx, self._curve, self.resources)
+            self.output_socket, self.output_address = make_output_socket(
+                self.ctx, self._curve, self.resources, host, transport
+            )
             notify_address = self.output_address
             if self._curve is not None:  # the monitor's notices come in-process, past CURVE
                 notify_address = f"inproc://client-notices-{uuid.uuid4().hex}"
@@ -156,8 +153,14 @@ class MPClient:
             )
             self.resources.engine_monitor = monitor
             monitor.start()
+            self._hellos = HelloMaker(
+                client_index, self.output_address, wants_kv_events=self.wants_kv_events
+            )
             processes = processes or {}
-            self._attach_blocking([(e, processes.get(e.engine_index)) for e in endpoints])
+            # A failure here closes the whole client: no engine needs detaching on its own.
+            self._attach_blocking(
+                [(e, processes.get(e.engine_index)) for e in endpoints], detach_on_failure=False
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -241,38 +244,6 @@ class MPClient:
 
     close = shutdown
 
-    # --- sockets ----------------------------------------------------------------------------
-
-    def _make_input_socket(self) -> zmq.Socket:
-        socket = self.ctx.socket(zmq.ROUTER)
-        if self._curve is not None:
-            self._curve.secure_input_socket(socket)
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        self.resources.input_socket = socket
-        return socket
-
-    def _make_output_socket(self, host: str, transport: str) -> tuple[zmq.Socket, str]:
-        socket = self.ctx.socket(zmq.PULL)
-        if self._curve is not None:
-            self._curve.secure_output_socket(socket)
-        # The default receive HWM: unbounded, the IO thread outruns the reader and costs it
-        # a third of its throughput; beyond it, outputs wait in the engine's PUSH queue.
-        socket.setsockopt(zmq.LINGER, 0)
-        self.resources.output_socket = socket
-        if transport == "tcp":
-            port = socket.bind_to_random_port(f"tcp://{host}")
-            return socket, f"tcp://{host}:{port}"
-        if transport == "ipc":
-            path = f"{tempfile.gettempdir()}/shoal-client-{uuid.uuid4().hex}.sock"
-            socket.bind(f"ipc://{path}")
-            self.resources.ipc_path = path
-            return socket, f"ipc://{path}"
-        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
-
     # --- the engine set ---------------------------------------------------------------------
 
     def add_engine(
@@ -338,37 +309,55 @@ class MPClient:
         self.input_socket.setsockopt(zmq.CONNECT_ROUTING_ID, endpoint.identity)
         self.input_socket.connect(endpoint.input_address)
 
-    def _check_key_accepted(self, engine_index: int) -> None:
-        """Fails a HELLO at once when the engine refused this client's key at the handshake.
+    # --- the HELLO handshake (`shoal.client.attach`; the drivers move frames and keep time) --
+
+    def _tick(self, handshake: Handshake, now: float) -> Step:
+        """The handshake's time event, or its key refusal once the engine monitor saw one."""
+        if self.engine_set.is_key_refused(handshake.endpoint.engine_index):
+            return handshake.on_key_refused()
+        return handshake.on_tick(now)
+
+    def _hello_frames(self, handshake: Handshake, step: Step) -> Frames | None:
+        """The frames a step says to send, noting a resend."""
+        if step.is_resend:
+            logger.warning(
+                "engine %d has not answered HELLO yet; asking again",
+                handshake.endpoint.engine_index,
+            )
+        return step.send
+
+    def _settle(
+        self, handshake: Handshake, *, detach_on_failure: bool = True
+    ) -> EngineFacts | None:
+        """Applies a finished handshake to the engine set: the same for every driver.
+
+        Args:
+            detach_on_failure: whether an engine that refuses or does not answer an attach
+                leaves the set (else it stays, counted dead, to be asked again).
+
+        Returns:
+            The facts of an attach; None for a recheck (whatever it found).
 
         Raises:
-            EngineAttachError: it did (the key was never admitted by the cluster).
+            EngineAttachError: the engine refused this client (ATTACH, REATTACH).
+            TimeoutError: it did not answer in time (ATTACH, REATTACH).
         """
-        if self.engine_set.is_key_refused(engine_index):
-            raise EngineAttachError(
-                f"engine {engine_index} refused this client's CURVE key at the handshake: the "
-                "key was not admitted (a client's key reaches the engines through the cluster's "
-                "registry when it attaches)"
-            )
-
-    def _hello_message(self) -> tuple[int, tuple[bytes | memoryview, ...]]:
-        call_id = uuid.uuid1().int >> 64
-        hello = EngineHello(
-            self.client_index, self.output_address, call_id, wants_kv_events=self.wants_kv_events
-        )
-        return call_id, (EngineCoreRequestType.HELLO.value, *self.encoder.encode(hello))
-
-    def _on_hello_reply(self, endpoint: EngineEndpoint, output: UtilityOutput) -> EngineFacts:
-        if output.failure_message is not None:
-            self.remove_engine(endpoint.engine_index)
-            raise EngineAttachError(
-                f"engine {endpoint.engine_index} refused this client: {output.failure_message}"
-            )
-        facts = output.result.result if output.result is not None else None
-        if not isinstance(facts, EngineFacts):
-            raise EngineAttachError(f"engine {endpoint.engine_index} sent no facts at HELLO")
-        self._on_attached(endpoint.engine_index, facts)
-        return facts
+        outcome = handshake.outcome
+        assert outcome is not None, "a handshake settles once done"
+        index = handshake.endpoint.engine_index
+        if isinstance(outcome, Attached):
+            self._on_attached(index, outcome.facts)
+            return outcome.facts
+        if isinstance(outcome, LetGo):
+            self._on_let_go(index, outcome.evidence)
+        if handshake.purpose is Purpose.RECHECK:
+            return None  # a recheck that timed out has no verdict: the monitor finds deaf ones
+        if detach_on_failure:
+            self.remove_engine(index)
+        if isinstance(outcome, Refused):
+            raise EngineAttachError(outcome.reason)
+        assert isinstance(outcome, TimedOut), f"an attach cannot end {outcome}"
+        raise TimeoutError(outcome.reason)
 
     def _on_attached(self, engine_index: int, facts: EngineFacts) -> None:
         """An engine answered HELLO (a first attach, or again after it was counted dead):
@@ -376,8 +365,22 @@ class MPClient:
         self.engine_set.set_facts(engine_index, facts)
         self.engine_set.mark_alive(engine_index)
 
+    def _on_let_go(self, engine_index: int, evidence: str) -> None:
+        """An engine let this client go: the requests there are lost, so it counts as lost
+        (once), through the monitor's death notice, as every lost engine does."""
+        assert self.resources.engine_monitor is not None
+        if self.resources.engine_monitor.declare_lost(engine_index):
+            logger.warning(
+                "engine %d no longer counts this client attached (%s); its requests there are lost",
+                engine_index,
+                evidence,
+            )
+
     def _attach_blocking(
-        self, engines: Sequence[tuple[EngineEndpoint, BaseProcess | None]]
+        self,
+        engines: Sequence[tuple[EngineEndpoint, BaseProcess | None]],
+        *,
+        detach_on_failure: bool = True,
     ) -> None:
         """HELLO to each engine and wait for every answer on the output socket directly.
 
@@ -386,42 +389,44 @@ class MPClient:
         """
         router: zmq.Socket = zmq.Socket.shadow(self.input_socket.underlying)
         pull: zmq.Socket = zmq.Socket.shadow(self.output_socket.underlying)
-        deadline = time.monotonic() + self._hello_timeout_s
-        waiting: dict[int, tuple[EngineEndpoint, tuple[Any, ...]]] = {}
+        waiting: dict[int, Handshake] = {}
+
+        def drive(handshake: Handshake, step: Step) -> None:
+            frames = self._hello_frames(handshake, step)
+            if frames is not None:
+                send_hello(router, handshake.endpoint.identity, frames, handshake.deadline)
+            if step.outcome is not None:
+                del waiting[handshake.call_id]
+                self._settle(handshake, detach_on_failure=detach_on_failure)
+
         for endpoint, process in engines:
             self._connect_engine(endpoint, process)
-            call_id, message = self._hello_message()
-            send_hello(router, endpoint.identity, message, deadline)
-            waiting[call_id] = (endpoint, message)
-        # A HELLO (or its answer) lost on a connection that was being set up is asked again;
-        # the engine answers a repeated HELLO from the same connection again.
-        resend_at = time.monotonic() + HELLO_RESEND_S
+            handshake = self._hellos.handshake(
+                endpoint, Purpose.ATTACH, timeout_s=self._hello_timeout_s
+            )
+            waiting[handshake.call_id] = handshake
+            drive(handshake, handshake.start(time.monotonic()))
         while waiting:
-            for endpoint, _ in waiting.values():
-                self._check_key_accepted(endpoint.engine_index)
             now = time.monotonic()
-            if now >= deadline:
-                names = sorted(e.engine_index for e, _ in waiting.values())
-                raise TimeoutError(f"engines {names} did not answer HELLO in time")
-            if now >= resend_at:
-                for endpoint, message in waiting.values():
-                    logger.warning(
-                        "engine %d has not answered HELLO yet; asking again", endpoint.engine_index
-                    )
-                    send_hello(router, endpoint.identity, message, deadline)
-                resend_at = now + HELLO_RESEND_S
-            wait_ms = (min(deadline, resend_at, now + KEY_REFUSAL_POLL_S) - now) * 1000
-            if not pull.poll(max(1, int(wait_ms))):
+            for handshake in list(waiting.values()):
+                drive(handshake, self._tick(handshake, now))
+            wait_s = min((h.wait_s(now) for h in waiting.values()), default=0.0)
+            if not waiting or not pull.poll(max(1, int(wait_s * 1000))):
                 continue
             frames = pull.recv_multipart(copy=False)
-            if not self.engine_set.validate_alive(frames):
+            notice = read_notice(frames)
+            if notice is not None:
+                dead = learn_notice(notice, self.engine_set)
+                if dead is not None:
+                    raise dead
                 continue
             outputs = self.decoder.decode(frames)
             utility = outputs.utility_output if outputs is not None else None
-            if utility is None or utility.call_id not in waiting:
+            answered = waiting.get(utility.call_id) if utility is not None else None
+            if answered is None or utility is None:
                 logger.debug("dropped an unexpected message during the HELLO handshake")
                 continue
-            self._on_hello_reply(waiting.pop(utility.call_id)[0], utility)
+            drive(answered, answered.on_reply(utility))
 
     def _check_engine(self, engine: EngineIdentity) -> int:
         """The index of a live attached engine; raises EngineDeadError otherwise."""
@@ -452,92 +457,3 @@ class MPClient:
         call_id = uuid.uuid1().int >> 64
         payload = self.encoder.encode((self.client_index, call_id, method, args))
         return call_id, (EngineCoreRequestType.UTILITY.value, *payload)
-
-
-# --- shared by the output thread and the output task ----------------------------------------
-
-
-class OutputDecoder:
-    """Decodes the messages of a client's output socket, dropping the ones that are malformed.
-
-    The PULL takes connections from anyone who can reach it; a message no engine would send (a
-    broken or foreign peer's) is logged and dropped, and the client goes on serving.
-    """
-
-    def __init__(self) -> None:
-        self._decoder = MsgpackDecoder(EngineCoreOutputs)
-        self.num_dropped = 0
-
-    def decode(self, frames: Sequence[zmq.Frame]) -> EngineCoreOutputs | None:
-        """The message's outputs, or None if it is malformed."""
-        try:
-            outputs: EngineCoreOutputs = self._decoder.decode(frames)
-            return outputs
-        except Exception as e:  # a peer's bytes must never end the output loop
-            self.num_dropped += 1
-            if self.num_dropped & (self.num_dropped - 1) == 0:  # 1st, 2nd, 4th, 8th, ...
-                logger.warning(
-                    "dropped a malformed message on the output socket (%d so far): %s: %s",
-                    self.num_dropped,
-                    type(e).__name__,
-                    e,
-                )
-            return None
-
-
-def process_utility_output(output: UtilityOutput, utility_results: dict[int, AnyFuture]) -> None:
-    """Completes the future of a utility call (concurrent or asyncio) with its result."""
-    future = utility_results.pop(output.call_id, None)
-    if future is None or future.done():
-        return  # the caller gave up (cancelled) or the engine was declared dead first
-    if output.failure_message is not None:
-        future.set_exception(EngineUtilityError(output.failure_message))
-    else:
-        future.set_result(output.result.result if output.result is not None else None)
-
-
-def fail_utility_calls(
-    utility_results: dict[int, AnyFuture],
-    utility_engines: dict[int, int],
-    engine_index: int | None,
-    error: BaseException,
-) -> None:
-    """Fails the pending utility calls of one engine (all engines if `engine_index` is None)."""
-    for call_id, index in list(utility_engines.items()):
-        if engine_index is not None and index != engine_index:
-            continue
-        del utility_engines[call_id]
-        future = utility_results.pop(call_id, None)
-        if future is not None and not future.done():
-            future.set_exception(error)
-
-
-def format_exception(error: BaseException) -> EngineDeadError:
-    """The consumer-facing form of an output failure: always EngineDeadError, cause attached."""
-    if isinstance(error, EngineDeadError):
-        return error
-    dead = EngineDeadError(f"the output stream failed: {type(error).__name__}: {error}")
-    dead.__cause__ = error
-    return dead
-
-
-def as_engine_error(error: zmq.ZMQError, engine_index: int) -> Exception:
-    if error.errno == zmq.EHOSTUNREACH:
-        return EngineDeadError("its input connection is gone", engine_index=engine_index)
-    return error
-
-
-def send_hello(
-    router: zmq.Socket, identity: EngineIdentity, message: tuple[Any, ...], deadline: float
-) -> None:
-    """Sends HELLO, retrying while the ROUTER has no connection to the engine yet."""
-    delay_s = 0.001
-    while True:
-        try:
-            router.send_multipart((identity, *message), flags=zmq.NOBLOCK)
-            return
-        except zmq.ZMQError as e:
-            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN) or time.monotonic() > deadline:
-                raise
-        time.sleep(delay_s)  # connection setup, not the data path
-        delay_s = min(delay_s * 2, 0.05)

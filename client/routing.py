@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shoal.engine.protocol import EngineCoreRequest, SchedulerStats
+from shoal.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 
 @dataclass
@@ -37,6 +37,8 @@ class InFlightRequest:
     # Prompt tokens the routing policy expected the rank to hold cached; None: not routed by
     # a policy (pinned, or handed over).
     predicted_hit_tokens: int | None = None
+    # How often the request moved off a failed rank (`shoal.client.migration`).
+    num_migrations: int = 0
 
     def resumed_request(self) -> EngineCoreRequest:
         """The request to send to another rank, continuing from where this one left it."""
@@ -117,9 +119,18 @@ class RoutingStats:
     decisions: dict[str, int] = field(default_factory=dict)  # reason -> requests
     predicted_hit_tokens: int = 0
     actual_hit_tokens: int = 0
+    # Requests moved to another rank, and requests lost, by reason (`shoal.client.migration`).
+    migrated: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
 
     def on_decision(self, reason: str) -> None:
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
+
+    def on_migrated(self, reason: str) -> None:
+        self.migrated[reason] = self.migrated.get(reason, 0) + 1
+
+    def on_failed(self, reason: str) -> None:
+        self.failed[reason] = self.failed.get(reason, 0) + 1
 
 
 class RequestRouter:
@@ -154,11 +165,13 @@ class RequestRouter:
         prompt_tokens: int,
         request: EngineCoreRequest | None = None,
         predicted_hit_tokens: int | None = None,
+        num_migrations: int = 0,
     ) -> None:
         """Records a send; keeps `request` (and from now on its tokens) if given."""
         load = self.load(rank)
         entry = InFlightRequest(prompt_tokens, load.num_sent, request=request)
         entry.predicted_hit_tokens = predicted_hit_tokens
+        entry.num_migrations = num_migrations
         load.add(request_id, entry)
         self._rank_of[request_id] = rank
 
@@ -168,10 +181,18 @@ class RequestRouter:
         finished: bool,
         new_token_ids: Sequence[int] = (),
         num_cached_tokens: int = 0,
-    ) -> None:
+        from_rank: int | None = None,
+    ) -> bool:
+        """Takes one output of a request in flight.
+
+        Returns:
+            False for an output this client does not expect: of no request in flight, or,
+            with `from_rank`, from a rank the request is not routed to (a failed rank's late
+            word about a request that moved elsewhere); it is to be dropped.
+        """
         rank = self._rank_of.get(request_id)
-        if rank is None:
-            return
+        if rank is None or (from_rank is not None and rank != from_rank):
+            return False
         load = self.loads[rank]
         first = load.in_flight[request_id]
         if not first.has_output and first.predicted_hit_tokens is not None:
@@ -186,6 +207,31 @@ class RequestRouter:
             load.mark_seen(entry)
             if entry.request is not None:
                 entry.token_ids.extend(new_token_ids)
+        return True
+
+    def on_outputs(
+        self, outputs: list[EngineCoreOutput], rank: int
+    ) -> list[EngineCoreOutput] | None:
+        """Takes one frame of outputs from `rank` (`on_output` each).
+
+        Returns:
+            None when every output is expected; else the expected ones, to replace the frame's
+            (the others are of requests not routed to `rank`, to be dropped).
+        """
+        kept: list[EngineCoreOutput] | None = None  # made only once one is dropped
+        for i, output in enumerate(outputs):
+            if self.on_output(
+                output.request_id,
+                output.finished,
+                output.new_token_ids,
+                output.num_cached_tokens,
+                rank,
+            ):
+                if kept is not None:
+                    kept.append(output)
+            elif kept is None:
+                kept = outputs[:i]
+        return kept
 
     def take(self, request_id: str, rank: int) -> InFlightRequest | None:
         """Forgets a request that `rank` released (to send it elsewhere); None if it is not
@@ -208,6 +254,18 @@ class RequestRouter:
                 load.mark_seen(load.in_flight.pop(request_id))
                 by_rank.setdefault(rank, []).append(request_id)
         return by_rank
+
+    def take_rank(self, rank: int) -> dict[str, InFlightRequest]:
+        """Forgets every request on a rank (a failed one); returns them, oldest first, to be
+        sent elsewhere. The rank's load view stays until `forget_rank`."""
+        load = self.loads.get(rank)
+        if load is None:
+            return {}
+        taken, load.in_flight = load.in_flight, {}
+        for request_id, entry in taken.items():
+            del self._rank_of[request_id]
+            load.mark_seen(entry)
+        return taken
 
     def forget_rank(self, rank: int) -> list[str]:
         """Drops a rank (dead or removed); returns this client's requests that were on it.

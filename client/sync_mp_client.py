@@ -18,25 +18,33 @@ from typing import Any
 
 import zmq
 
-from shoal.client.engine_monitor import is_recheck_notice
+from shoal.client.attach import (
+    RECHECK_TIMEOUT_S,
+    Handshake,
+    LetGo,
+    Purpose,
+    RecheckNotice,
+    read_notice,
+)
 from shoal.client.engine_set import EngineSet
 from shoal.client.mp_client import (
     ENGINE_RETURN_WAIT_S,
-    KEY_REFUSAL_POLL_S,
-    RECHECK_TIMEOUT_S,
-    AnyFuture,
     BackgroundResources,
     EngineAttachError,
     EngineIdentity,
-    EngineUtilityError,
     MPClient,
+)
+from shoal.client.output_dispatch import (
+    AnyFuture,
+    EngineUtilityError,
     OutputDecoder,
     as_engine_error,
     fail_utility_calls,
     format_exception,
+    learn_notice,
     process_utility_output,
-    send_hello,
 )
+from shoal.client.sockets import send_hello
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import (
     EEP_NOTIFICATION_CALL_ID,
@@ -52,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 # The output thread wakes this often to notice close(); a blocked utility call, to recheck.
 _OUTPUT_THREAD_POLL_MS = 100
+# How long a recheck that found its engine lost waits for the output thread to count it dead.
+_LOSS_NOTICE_WAIT_S = 2.0
 
 
 class _RecheckDue:
@@ -72,8 +82,6 @@ class SyncMPClient(MPClient):
         super().__init__(endpoints, asyncio_mode=False, **kwargs)
         self.engine_set.reattach_launched_engines()  # `_reattach_if_alive`
         self.outputs_queue: queue.Queue[_QueueItem] = queue.Queue()
-        # request id → engine index of each request sent and not yet finished or aborted.
-        self._in_flight: dict[str, int] = {}
         self._recheck_due = threading.Event()  # set by the output thread
         self.output_socket.setsockopt(zmq.RCVTIMEO, _OUTPUT_THREAD_POLL_MS)
         thread = threading.Thread(
@@ -113,26 +121,16 @@ class SyncMPClient(MPClient):
             if self.resources.is_output_done:
                 self.outputs_queue.put(outputs)  # terminal: every later call fails too
             raise format_exception(outputs)
-        self._note_finished(outputs)
         return outputs
-
-    def _note_finished(self, outputs: EngineCoreOutputs) -> None:
-        for output in outputs.outputs:
-            if output.finished:
-                self._in_flight.pop(output.request_id, None)
 
     def add_request(self, request: EngineCoreRequest, engine_index: int | None = None) -> None:
         request.client_index = self.client_index
-        engine = self._engine(engine_index)
-        self._send_input(EngineCoreRequestType.ADD, request, engine)
-        self._in_flight[request.request_id] = self._check_engine(engine)
+        self._send_input(EngineCoreRequestType.ADD, request, self._engine(engine_index))
 
     def abort_requests(self, request_ids: list[str], engine_index: int | None = None) -> None:
         """Aborts requests on one engine; nothing to do if it is dead (they went with it)."""
         if not request_ids:
             return
-        for request_id in request_ids:
-            self._in_flight.pop(request_id, None)
         engine = self._engine(engine_index, reattach=False)
         if not self.engine_set.is_dead(self._index_of(engine)):
             self._send_input(EngineCoreRequestType.ABORT, request_ids, engine)
@@ -182,7 +180,6 @@ class SyncMPClient(MPClient):
             if not isinstance(item, EngineCoreOutputs):
                 self.outputs_queue.put(item)
                 break
-            self._note_finished(item)
             batch.append(item)
         return batch
 
@@ -190,79 +187,79 @@ class SyncMPClient(MPClient):
         self, endpoint: EngineEndpoint, process: BaseProcess | None = None
     ) -> EngineFacts:
         self._connect_engine(endpoint, process)
-        try:
-            facts = self._ask_hello(endpoint, self._hello_timeout_s)
-        except EngineUtilityError as e:
-            self.remove_engine(endpoint.engine_index)
-            raise EngineAttachError(
-                f"engine {endpoint.engine_index} refused this client: {e}"
-            ) from None
-        self._on_attached(endpoint.engine_index, facts)
+        facts = self._settle(self._handshake(endpoint, Purpose.ATTACH, self._hello_timeout_s))
+        assert facts is not None, "an attach that settles has facts"
         return facts
 
-    def _ask_hello(self, endpoint: EngineEndpoint, timeout_s: float) -> EngineFacts:
-        """Says HELLO and waits for the answer the output thread hands over.
+    def _handshake(
+        self,
+        endpoint: EngineEndpoint,
+        purpose: Purpose,
+        timeout_s: float,
+        known: EngineFacts | None = None,
+    ) -> Handshake:
+        """Drives one handshake from the caller's thread; the output thread hands the answer
+        over as it does a utility call's.
+
+        Returns:
+            The finished handshake (its `outcome` says how it ended).
 
         Raises:
-            EngineUtilityError: the engine refused.
-            TimeoutError: no answer within `timeout_s`.
             EngineDeadError, zmq.ZMQError: the engine died, or could not be sent to.
         """
-        call_id, message = self._hello_message()
+        handshake = self._hellos.handshake(endpoint, purpose, timeout_s=timeout_s, known=known)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.utility_results[call_id] = future
-        self.utility_engines[call_id] = endpoint.engine_index
-        deadline = time.monotonic() + timeout_s
+        self.utility_results[handshake.call_id] = future
+        self.utility_engines[handshake.call_id] = endpoint.engine_index
         try:
-            send_hello(self.input_socket, endpoint.identity, message, deadline)
-            while True:
-                self._check_key_accepted(endpoint.engine_index)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"engine {endpoint.engine_index} did not answer HELLO")
+            step = handshake.start(time.monotonic())
+            while step.outcome is None:
+                frames = self._hello_frames(handshake, step)
+                if frames is not None:
+                    send_hello(self.input_socket, endpoint.identity, frames, handshake.deadline)
                 try:
-                    facts: EngineFacts = future.result(timeout=min(KEY_REFUSAL_POLL_S, remaining))
-                    return facts
+                    result = future.result(timeout=handshake.wait_s(time.monotonic()))
                 except concurrent.futures.TimeoutError:
-                    continue
+                    step = self._tick(handshake, time.monotonic())
+                except EngineUtilityError as e:
+                    step = handshake.on_refusal(str(e))
+                else:
+                    step = handshake.on_answer(result)
+            return handshake
         finally:
-            self.utility_results.pop(call_id, None)
-            self.utility_engines.pop(call_id, None)
+            self.utility_results.pop(handshake.call_id, None)
+            self.utility_engines.pop(handshake.call_id, None)
 
     def _recheck_attached(self) -> None:
         """Asks every attached engine whether it still counts this client attached, if the
         output thread was told to (RECHECK_ATTACHED: see `shoal.client.engine_monitor`).
 
         Runs in the caller's thread, before its next send or while it waits, as the question
-        is a send: a repeated HELLO on the same connection, which an engine that still has
-        this client attached answers under the same attach serial, and one that let it go by
-        attaching it afresh, under a new one. The client is then attached again; the requests
-        and utility calls it had there are lost and fail with `EngineDeadError`.
+        is a send (a RECHECK handshake, `shoal.client.attach`). An engine that let this client
+        go counts as lost, as in every client: its requests and calls there fail with
+        `EngineDeadError`. This waits until the output thread has learned the loss, so that the
+        caller's next send first attaches the engine again (`_reattach_if_alive`) and no
+        request sent after the recheck is counted among the lost ones.
         """
         if not self._recheck_due.is_set():
             return
         self._recheck_due.clear()
         for index, (endpoint, known) in self.engine_set.attached_facts().items():
             try:
-                facts = self._ask_hello(endpoint, RECHECK_TIMEOUT_S)
-            except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError):
-                continue  # dead or deaf: the engine monitor tells of it
-            if facts.attach_serial == known.attach_serial:
-                continue
-            self.engine_set.set_facts(index, facts)
-            lost = [request_id for request_id, i in self._in_flight.items() if i == index]
-            for request_id in lost:
-                del self._in_flight[request_id]
-            logger.warning(
-                "engine %d no longer counts this client attached (it attached this client "
-                "afresh); %d requests there are lost",
-                index,
-                len(lost),
-            )
-            error = EngineDeadError("it let this client go", engine_index=index)
-            fail_utility_calls(self.utility_results, self.utility_engines, index, error)
-            if lost:
-                self.outputs_queue.put(error)
+                handshake = self._handshake(endpoint, Purpose.RECHECK, RECHECK_TIMEOUT_S, known)
+            except (EngineDeadError, zmq.ZMQError):
+                continue  # dead: the engine monitor tells of it
+            self._settle(handshake)
+            if isinstance(handshake.outcome, LetGo):
+                self._await_loss(index)
+
+    def _await_loss(self, engine_index: int) -> None:
+        """Waits (briefly) until the output thread has counted a lost engine dead."""
+        deadline = time.monotonic() + _LOSS_NOTICE_WAIT_S
+        while not self.engine_set.is_dead(engine_index) and time.monotonic() < deadline:
+            if self.resources.is_output_done:
+                return
+            time.sleep(_OUTPUT_THREAD_POLL_MS / 1000 / 10)
 
     def _engine(self, engine_index: int | None, *, reattach: bool = True) -> EngineIdentity:
         """The engine to send to (the first when None), after a recheck if one is due, and
@@ -292,11 +289,11 @@ class SyncMPClient(MPClient):
         assert self.resources.engine_monitor is not None
         self.resources.engine_monitor.watch(engine_index, is_new_attach=False)
         try:
-            facts = self._ask_hello(endpoint, ENGINE_RETURN_WAIT_S)
-        except (EngineUtilityError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
+            handshake = self._handshake(endpoint, Purpose.REATTACH, ENGINE_RETURN_WAIT_S)
+            self._settle(handshake, detach_on_failure=False)
+        except (EngineAttachError, EngineDeadError, TimeoutError, zmq.ZMQError) as e:
             logger.warning("engine %d could not be attached again yet: %s", engine_index, e)
             return
-        self._on_attached(engine_index, facts)
         logger.info("engine %d is attached again", engine_index)
 
     def _index_of(self, engine: EngineIdentity) -> int:
@@ -345,13 +342,15 @@ def _process_outputs_thread(
                 frames = output_socket.recv_multipart(copy=False)
             except zmq.Again:
                 continue
-            try:
-                if not engines.validate_alive(frames):
-                    if is_recheck_notice(frames):
-                        recheck_due.set()  # before the wake-up: `get_output` checks it
-                        outputs_queue.put(_RECHECK_DUE)
+            notice = read_notice(frames)
+            if isinstance(notice, RecheckNotice):
+                recheck_due.set()  # before the wake-up: `get_output` checks it
+                outputs_queue.put(_RECHECK_DUE)
+                continue
+            if notice is not None:
+                dead = learn_notice(notice, engines)
+                if dead is None:
                     continue
-            except EngineDeadError as dead:
                 fail_utility_calls(utility_results, utility_engines, dead.engine_index, dead)
                 if engines.is_terminal(dead):
                     final_error = dead

@@ -2,7 +2,7 @@
 the demo.
 
     shoal serve PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
-    shoal api-server --namespace NAME [--host H] [--port P] [--api-key KEY]
+    shoal api-server --namespace NAME [--port P] [--ready-timeout S] [--exit-with-cluster]
     shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
     shoal scale --namespace NAME --data-parallel-size M [--switch-timeout-s S] [--json]
     shoal status [--namespace NAME] [--json]

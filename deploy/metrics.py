@@ -6,7 +6,9 @@ Three sources, nothing polled from the engines:
   `vllm:num_preemptions_total`, `vllm:prefix_cache_{queries,hits}_total`) are read at scrape
   time from the coordinator's stats stream that this front end's DP client subscribes to. They
   describe the rank, so every front end of a cluster shows the same values: aggregate them
-  across front ends with `max by (engine)`, not `sum`.
+  across front ends with `max by (engine)`, not `sum`. So is the histogram
+  `vllm:iteration_tokens_total`: the tokens each engine step computed (every step of the
+  rank, whichever front end sent its requests; vLLM's buckets, 1 to 16,384).
 - Cluster series are read from the registry before each scrape (`ClusterFacts`):
   `shoal:ranks{state}`, `shoal:attached_clients`, `shoal:data_parallel_size`,
   `shoal:scale_in_progress` (1 while a resize runs), and the resizes the registry keeps (its
@@ -18,17 +20,25 @@ Three sources, nothing polled from the engines:
 - Request series (token counters, `vllm:request_success_total`, the latency and size
   histograms, `shoal:requests_routed_total`) count what this front end served. Each front end
   is its own scrape target; `sum` over targets gives the cluster's totals.
+- `vllm:cache_config_info`, an info gauge (always 1) per rank whose labels are the KV cache's
+  configuration as vLLM names it (`block_size`, `num_gpu_blocks`, `enable_prefix_caching`,
+  `cache_dtype`, ...), from what each engine said at HELLO and the cluster's config.
 - Routing series, read at scrape time from this front end's router (`RoutingStats`):
   `shoal:routing_decisions_total{reason}` (reason "cache", "load", "session" or "only-rank"),
   and the prompt tokens the router predicted the chosen rank held cached against those the
   engine found, `shoal:routing_predicted_hit_tokens_total` and
   `shoal:routing_actual_hit_tokens_total`. Per front end: `sum` over targets.
+  `shoal:requests_migrated_total{reason}` counts requests moved to another rank (reason
+  "rank_failed": it died, hung or let this front end go; "resize": it left in a scale-down),
+  `shoal:requests_failed_total{reason}` those lost instead ("migration_limit", "pinned",
+  "no_rank", "resize"; see `shoal.client.migration`).
 
 Labels: `model_name` (the served model name), `engine` (the DP rank), and those named above.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +50,20 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from shoal.client.lb_policy import REASONS
+from shoal.client.migration import FAILED_REASONS, MIGRATED_REASONS
 from shoal.client.outputs import RequestMetrics
 from shoal.client.routing import RoutingStats
-from shoal.engine.protocol import SchedulerStats
+from shoal.engine.config import CacheConfig
+from shoal.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineFacts, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -71,6 +88,27 @@ class ClusterFacts:
     num_clients: int = 0
     data_parallel_size: int | None = None  # None until the registry has answered once
     is_scaling: bool = False
+
+    def clear(self) -> None:
+        """Forgets the facts (the cluster is gone), as before the registry first answered."""
+        self.ranks_by_state = {}
+        self.num_clients = 0
+        self.data_parallel_size = None
+        self.is_scaling = False
+
+
+def cache_config_labels(cache: CacheConfig, facts: EngineFacts) -> dict[str, str]:
+    """The labels of a rank's `vllm:cache_config_info`, spelt as vLLM spells its values
+    (`str()` of each: "True", "None"). The KV cache holds the model's dtype: "auto"."""
+    return {
+        "block_size": str(facts.block_size),
+        "num_gpu_blocks": str(facts.num_kv_blocks),
+        "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "cache_dtype": "auto",
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+    }
 
 
 class _RankCollector(Collector):
@@ -104,8 +142,15 @@ class _RankCollector(Collector):
                 "vllm:prefix_cache_hits", "Prompt tokens found cached.", labels=labels
             ),
         }
+        iteration_tokens = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.", labels=labels
+        )
         for rank, stats in sorted(self._rank_stats().items()):
             values = [self._model_name, str(rank)]
+            if stats.iteration_tokens_counts:  # an engine that reports them
+                buckets = _cumulative_buckets(stats.iteration_tokens_counts)
+                sum_value = stats.iteration_tokens_sum
+                iteration_tokens.add_metric(values, buckets, sum_value)
             families["running"].add_metric(values, stats.num_running_reqs)
             families["waiting"].add_metric(values, stats.num_waiting_reqs)
             families["kv"].add_metric(values, stats.kv_cache_usage)
@@ -113,6 +158,14 @@ class _RankCollector(Collector):
             families["queries"].add_metric(values, stats.prefix_cache_queries_total)
             families["hits"].add_metric(values, stats.prefix_cache_hits_total)
         yield from families.values()
+        yield iteration_tokens
+
+
+def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus's cumulative (le, count) buckets from per-bucket counts whose last entry is
+    the overflow (`SchedulerStats.iteration_tokens_counts`)."""
+    bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+    return list(zip(bounds, itertools.accumulate(counts), strict=True))
 
 
 class _ClusterCollector(Collector):
@@ -149,6 +202,31 @@ class _ClusterCollector(Collector):
         yield scaling
 
 
+class _CacheConfigCollector(Collector):
+    """`vllm:cache_config_info`: one series per rank, valued 1, its labels the cache config."""
+
+    def __init__(
+        self, model_name: str, cache_config: Callable[[], dict[int, dict[str, str]]]
+    ) -> None:
+        self._model_name = model_name
+        self._cache_config = cache_config
+
+    def collect(self) -> Iterator[Metric]:
+        per_rank = self._cache_config()
+        if not per_rank:
+            return
+        names = sorted({name for labels in per_rank.values() for name in labels})
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the KV cache configuration (always 1).",
+            labels=["model_name", "engine", *names],
+        )
+        for rank, labels in sorted(per_rank.items()):
+            values = [labels.get(name, "") for name in names]
+            info.add_metric([self._model_name, str(rank), *values], 1)
+        yield info
+
+
 class _RoutingCollector(Collector):
     """This front end's routing decisions and predicted against actual prefix-cache hits."""
 
@@ -180,6 +258,16 @@ class _RoutingCollector(Collector):
             )
             family.add_metric([self._model_name], value)
             yield family
+        for name, counts, reasons, doc in (
+            ("migrated", stats.migrated, MIGRATED_REASONS, "moved to another rank"),
+            ("failed", stats.failed, FAILED_REASONS, "lost as their rank failed or left"),
+        ):
+            family = CounterMetricFamily(
+                f"shoal:requests_{name}", f"Requests {doc}, by why.", labels=[*labels, "reason"]
+            )
+            for reason in reasons:
+                family.add_metric([self._model_name, reason], counts.get(reason, 0))
+            yield family
 
 
 class ServerMetrics:
@@ -190,6 +278,7 @@ class ServerMetrics:
         model_name: str,
         rank_stats: Callable[[], dict[int, SchedulerStats]],
         routing_stats: Callable[[], RoutingStats | None] = lambda: None,
+        cache_config: Callable[[], dict[int, dict[str, str]]] = dict,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -263,6 +352,7 @@ class ServerMetrics:
         reg.register(_RankCollector(model_name, rank_stats))
         reg.register(_ClusterCollector(model_name, self.cluster))
         reg.register(_RoutingCollector(model_name, routing_stats))
+        reg.register(_CacheConfigCollector(model_name, cache_config))
 
     def observe_scale_history(self, history: Iterable[Mapping[str, Any]]) -> None:
         """Counts the resizes of the registry's history (`status()["scale_history"]`, re-read

@@ -49,6 +49,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"  {rank['address'] or '-'}"
         )
     lines.append("")
+    lines += _failure_lines(status.get("rank_failures", []))
     lines += scale.scale_status_lines(status)
     lines += _expert_parallel_lines(status.get("expert_parallel"))
     clients = status["clients"]
@@ -60,6 +61,21 @@ def format_status(status: dict[str, Any]) -> str:
             f"  (attached {now - client['attached_at']:.0f} s ago)"
         )
     return "\n".join(lines)
+
+
+# `shoal status` counts the rank failures of this last stretch.
+RECENT_FAILURES_S = 600.0
+
+
+def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    """How many ranks failed (died, or hung and were restarted) in the last 10 minutes."""
+    now = time.time()
+    recent = [f for f in failures if now - f["at"] <= RECENT_FAILURES_S]
+    line = f"rank failures in the last {RECENT_FAILURES_S / 60:.0f} min: {len(recent)}"
+    if recent:
+        last = recent[-1]
+        line += f" (latest: rank {last['rank']}, {now - last['at']:.0f} s ago)"
+    return [line, ""]
 
 
 def _expert_parallel_lines(expert_parallel: dict[str, Any] | None) -> list[str]:

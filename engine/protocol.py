@@ -263,6 +263,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+# Upper bounds of the tokens-per-step buckets (vLLM's `vllm:iteration_tokens_total`).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Load snapshot of one engine; the DP coordinator publishes a vector of these.
 
@@ -283,6 +287,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_prompt_tokens_total: int = 0  # prompt tokens computed (recompute included)
     num_generation_tokens_total: int = 0
     num_cached_blocks: int = 0  # blocks in the prefix cache (owned or evictable)
+    # Steps by the tokens they computed: [i] counts those of at most ITERATION_TOKENS_BUCKETS[i]
+    # tokens (and more than the bound before), the last those over every bound; and the sum.
+    iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -9,13 +9,14 @@ preemption by recompute. No torch.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 
 from shoal.engine.config import CacheConfig, SchedulerConfig
 from shoal.engine.errors import RequestError
 from shoal.engine.kv_cache import KVCacheManager
-from shoal.engine.protocol import EngineCoreOutput, SchedulerStats
+from shoal.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -83,6 +84,8 @@ class Scheduler:
         self._num_preemptions_total = 0
         self._num_prompt_tokens_total = 0
         self._num_generation_tokens_total = 0
+        self._iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -156,6 +159,9 @@ class Scheduler:
             self._schedule_waiting(token_budget, scheduled)
         if scheduled:
             self._step_counter += 1
+            num_tokens = sum(s.num_new_tokens for s in scheduled)
+            self._iteration_tokens_counts[bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+            self._iteration_tokens_sum += num_tokens
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(scheduled, finished_request_ids)
 
@@ -205,6 +211,8 @@ class Scheduler:
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_cached_blocks=kv.block_pool.num_cached_blocks,
+            iteration_tokens_counts=list(self._iteration_tokens_counts),
+            iteration_tokens_sum=self._iteration_tokens_sum,
         )
 
     # --- internals -----------------------------------------------------------------------------

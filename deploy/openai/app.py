@@ -4,7 +4,7 @@
     POST /v1/completions          text completions, streamed (SSE) or not
     POST /v1/chat/completions     chat completions, streamed (SSE) or not
     POST /tokenize, /detokenize   the model's tokenizer
-    GET  /health                  200 while a rank serves, else 503
+    GET  /health                  200 while a rank serves, else 503 (with the reason)
     GET  /metrics                 Prometheus text (see `shoal.deploy.metrics`)
     GET  /version, /load          shoal's version; requests in progress here
     POST /scale_elastic_ep        resize the cluster while it serves (see `elastic`)
@@ -14,7 +14,9 @@ With an API key, every `/v1/*` request, `/tokenize`, `/detokenize` and `/openapi
 `Authorization: Bearer KEY` (else 401); the resize endpoints need the admin key (`--admin-api-key`,
 by default the API key). `/health`, `/metrics`, `/version` and `/load` stay open, for probes and
 scrapers. (vLLM leaves /tokenize open; here it is work a client can ask for, so it is keyed.)
-Every body is read, capped, before the app parses it (`body_guard`).
+Every body is read, capped, before the app parses it (`body_guard`). While no cluster serves
+the front end (it follows its cluster: `follow`), every request that needs one gets a 503 that
+says why, before its body is read.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def needs_admin_key(path: str) -> bool:
     return path.rstrip("/") in ADMIN_PATHS
 
 
+def needs_cluster(path: str) -> bool:
+    """Whether a request to `path` needs a cluster serving the front end."""
+    trimmed = path.rstrip("/")
+    return path.startswith("/v1/") or trimmed in ADMIN_PATHS or trimmed in _TOKENIZER_PATHS
+
+
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class _FrontDoor:
     """Pure ASGI middleware: the key checks (`needs_api_key`, `needs_admin_key`), and the count
     of requests in progress (a streamed response counts until its last byte)."""
@@ -90,6 +101,9 @@ class _FrontDoor:
                 error = OpenAIError("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
                 await error_response(error)(scope, receive, send)
                 return
+        if self.state.current_llm is None and needs_cluster(path):
+            await error_response(self.state.not_serving_error())(scope, receive, send)
+            return
         is_work = scope["method"] == "POST"
         self.state.num_in_flight += is_work
         try:
@@ -112,8 +126,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        status = HTTPStatus.OK if state.serving_ranks() else HTTPStatus.SERVICE_UNAVAILABLE
-        return Response(status_code=int(status))
+        if state.serving_ranks():
+            return Response(status_code=int(HTTPStatus.OK))
+        if state.current_llm is None:
+            return error_response(state.not_serving_error())
+        error = OpenAIError("no rank of the cluster serves now", HTTPStatus.SERVICE_UNAVAILABLE)
+        return error_response(error)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -3,11 +3,15 @@
     shoal api-server --namespace NS [--host H] [--port P] [--api-key-file F] [--served-model-name N]
 
 attaches a front end to a running cluster (any node, any number of them, coming and going
-while the engines run). `shoal serve --port P` runs the same front end in a thread of the
-serving process (`FrontEndThread`). The API key comes from `--api-key-file` (a file only its
-owner reads, e.g. a mounted Kubernetes Secret: the way to keep it out of `ps`, the Ray job's
-entrypoint and its log), else `--api-key` (works, with a warning: it is that visible), else
-the `SHOAL_API_KEY` environment variable. The resize endpoints take the admin key, found the
+while the engines run). It waits up to `--ready-timeout` for a rank to serve, saying what it
+sees, and then follows the namespace (`follow`): when the cluster stops it answers 503 until
+the next one serves, or exits with `--exit-with-cluster`. `shoal serve --port P` runs the same
+front end in a thread of the serving process (`FrontEndThread`), which ends with its cluster.
+
+The API key comes from `--api-key-file` (a file only its owner reads, e.g. a mounted
+Kubernetes Secret: the way to keep it out of `ps`, the Ray job's entrypoint and its log), else
+`--api-key` (works, with a warning: it is that visible), else the `SHOAL_API_KEY` environment
+variable. The resize endpoints take the admin key, found the
 same way (`--admin-api-key-file`, `--admin-api-key`, `SHOAL_ADMIN_API_KEY`), by default the
 API key. No key is ever written to a log. Connections and requests are bounded by `limits`
 and `connections`.
@@ -18,21 +22,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
 
+from shoal.actors.registry import RegistryHandle
 from shoal.client.async_llm import AsyncLLM
 from shoal.client.lb_policy import ROUTING_POLICIES
+from shoal.client.migration import DEFAULT_MIGRATION_LIMIT
 from shoal.cluster.launch import attach
 from shoal.deploy.openai.app import build_app
 from shoal.deploy.openai.connections import connection_cap, guarded_protocol, quiet_loop_errors
+from shoal.deploy.openai.follow import WAIT_LOG_S, ClusterFollower, wait_until_served
 from shoal.deploy.openai.generation_config import load_generation_defaults
 from shoal.deploy.openai.limits import FrontEndLimits, add_limit_args, limits_from_args
 from shoal.deploy.openai.state import ServerState
@@ -46,10 +55,15 @@ logger = logging.getLogger("shoal.api_server")
 API_KEY_ENV = "SHOAL_API_KEY"
 ADMIN_API_KEY_ENV = "SHOAL_ADMIN_API_KEY"
 DEFAULT_PORT = 8000
+# After a cluster of the namespace serves again: how long its attach may take.
+_REATTACH_S = 60.0
 # How long a stopping front end lets open streams run before it closes them.
 GRACEFUL_SHUTDOWN_S = 5
-# How long a front end waits for a cluster still being launched until one of its ranks serves.
+# How long `shoal serve --port`'s front end waits for a rank of the cluster just launched.
 ATTACH_READY_TIMEOUT_S = 60.0
+# `shoal api-server --ready-timeout`: it may start before its cluster, so as long as a launch
+# gives its ranks to load the model.
+API_SERVER_READY_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -69,9 +83,15 @@ class FrontEndConfig:
     limits: FrontEndLimits = field(default_factory=FrontEndLimits)
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
     routing_policy: str = "cache-aware"  # `shoal.client.lb_policy.make_policy`
+    # How often a request may move off a failed rank (`shoal.client.migration`).
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
     chat_template: str | None = None  # overrides the tokenizer's (`load_chat_template`)
     uvicorn_log_level: str = "warning"
     generation_config: str = "vllm"  # `load_generation_defaults`
+    ready_timeout_s: float = ATTACH_READY_TIMEOUT_S  # for a rank of the cluster to serve
+    # Follow the namespace (`follow`): attach to the next cluster served there after this one.
+    follow_cluster: bool = False
+    exit_with_cluster: bool = False  # following: exit when the cluster is gone instead
 
 
 def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) -> None:
@@ -145,6 +165,15 @@ def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) 
         help="how the front end picks a rank: cache-aware (default: the uncached prefill plus "
         "the rank's load, cheapest wins), least-loaded, or round-robin",
     )
+    parser.add_argument(
+        "--migration-limit",
+        type=_non_negative_int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        metavar="N",
+        help="how often one request may move to another rank when its rank dies or hangs, "
+        "continuing from the tokens already generated; past it, or with 0, the request "
+        f"fails (default {DEFAULT_MIGRATION_LIMIT})",
+    )
     add_limit_args(parser)
     add_tool_args(parser)
 
@@ -164,10 +193,18 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
         limits=limits_from_args(args),
         tool_calls=tool_config_from_args(args),
         routing_policy=args.routing_policy,
+        migration_limit=args.migration_limit,
         chat_template=load_chat_template(args.chat_template),
         uvicorn_log_level=args.uvicorn_log_level,
         generation_config=args.generation_config,
     )
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {number}")
+    return number
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -226,35 +263,26 @@ async def serve_front_end(
     sock: socket.socket | None = None,
 ) -> None:
     """Attaches to the cluster and serves HTTP until uvicorn exits (SIGINT/SIGTERM in the main
-    thread) or `should_exit` is set; then detaches, leaving the engines running."""
-    llm = await AsyncLLM.connect(
-        config.namespace,
-        host=config.data_parallel_address,
-        name=f"api-server {config.host}:{config.port}",
-        policy=config.routing_policy,
-        ready_timeout_s=ATTACH_READY_TIMEOUT_S,
+    thread), `should_exit` is set, or (`exit_with_cluster`) the cluster is gone; then
+    detaches, leaving the engines running.
+
+    Raises:
+        TimeoutError: no rank of a cluster in the namespace served within `ready_timeout_s`.
+    """
+    deadline = time.monotonic() + config.ready_timeout_s
+    if config.follow_cluster:
+        await wait_until_served(config.namespace, config.ready_timeout_s, WAIT_LOG_S)
+    llm, registry = await _connect(config, deadline)
+    state = ServerState(
+        None,
+        _served_names(config, llm)[0],
+        config.api_key,
+        admin_api_key=config.admin_api_key or config.api_key,
+        limits=config.limits,
+        tool_calls=config.tool_calls,
     )
+    _bind(state, config, llm, registry)
     try:
-        handle = await asyncio.to_thread(attach, config.namespace)
-        names = config.served_model_names or (llm.config.model.model,)
-        name = names[0]
-        if config.chat_template is not None:
-            llm.tokenizer.chat_template = config.chat_template
-        state = ServerState.make(
-            llm,
-            name,
-            config.api_key,
-            handle.registry,
-            admin_api_key=config.admin_api_key,
-            limits=config.limits,
-        )
-        state.tool_calls = config.tool_calls
-        state.served_model_names = names
-        state.sampling_defaults = load_generation_defaults(
-            config.generation_config, llm.config.model.model
-        )
-        if state.sampling_defaults:
-            logger.info("request defaults from generation_config.json: %s", state.sampling_defaults)
         limits = config.limits
         raise_open_file_limit()
         quiet_loop_errors(asyncio.get_running_loop())
@@ -272,9 +300,27 @@ async def serve_front_end(
         )
         server = uvicorn.Server(uv_config)
         watcher = asyncio.create_task(_exit_when_set(server, should_exit))
+        follower = None
+        if config.follow_cluster:
+
+            async def attach_again() -> None:
+                _bind(state, config, *await _connect(config, time.monotonic() + _REATTACH_S))
+
+            def exit_server() -> None:
+                server.should_exit = True
+
+            follower = asyncio.create_task(
+                ClusterFollower(
+                    state,
+                    config.namespace,
+                    attach_again,
+                    exit_with_cluster=config.exit_with_cluster,
+                    exit=exit_server,
+                ).run()
+            )
         logger.info(
             "OpenAI API of %s at http://%s:%d/v1 (namespace %s)",
-            name,
+            state.model_name,
             config.host,
             config.port,
             config.namespace,
@@ -283,9 +329,55 @@ async def serve_front_end(
             await server.serve(sockets=None if sock is None else [sock])
         finally:
             watcher.cancel()
-            state.pool.shutdown()
+            if follower is not None:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
+            state.shutdown_pool()
     finally:
+        if state.current_llm is not None:
+            await state.current_llm.aclose()
+
+
+async def _connect(config: FrontEndConfig, deadline: float) -> tuple[AsyncLLM, RegistryHandle]:
+    """A client of the namespace's cluster, and its registry's handle.
+
+    Raises:
+        ClusterNotFoundError, TimeoutError: no cluster, or no rank serving, by `deadline`.
+    """
+    llm = await AsyncLLM.connect(
+        config.namespace,
+        host=config.data_parallel_address,
+        name=f"api-server {config.host}:{config.port}",
+        policy=config.routing_policy,
+        ready_timeout_s=max(1.0, deadline - time.monotonic()),
+        migration_limit=config.migration_limit,
+    )
+    try:
+        handle = await asyncio.to_thread(attach, config.namespace)
+    except BaseException:
         await llm.aclose()
+        raise
+    return llm, handle.registry
+
+
+def _served_names(config: FrontEndConfig, llm: AsyncLLM) -> tuple[str, ...]:
+    return config.served_model_names or (llm.config.model.model,)
+
+
+def _bind(
+    state: ServerState, config: FrontEndConfig, llm: AsyncLLM, registry: RegistryHandle
+) -> None:
+    """Serves `llm`'s cluster with the front end's settings from now on."""
+    names = _served_names(config, llm)
+    if config.chat_template is not None:
+        llm.tokenizer.chat_template = config.chat_template
+    state.served_model_names = names
+    state.sampling_defaults = load_generation_defaults(
+        config.generation_config, llm.config.model.model
+    )
+    if state.sampling_defaults:
+        logger.info("request defaults from generation_config.json: %s", state.sampling_defaults)
+    state.bind_cluster(llm, registry, names[0])
 
 
 async def _exit_when_set(server: uvicorn.Server, event: threading.Event | None) -> None:
@@ -329,7 +421,12 @@ def run(args: argparse.Namespace) -> int:
     """`shoal api-server`: serves until SIGINT/SIGTERM. Returns the exit code."""
     try:  # before Ray: a bad flag or a port in use costs one line
         check_not_negative(args)
-        config = front_end_config(args, args.port)
+        config = dataclasses.replace(
+            front_end_config(args, args.port),
+            ready_timeout_s=args.ready_timeout,
+            follow_cluster=True,
+            exit_with_cluster=args.exit_with_cluster,
+        )
         sock = bind_http_port(args.host, args.port)
     except ValueError as e:
         logger.error("shoal api-server: %s", e)
@@ -364,4 +461,18 @@ def add_api_server_args(parser: argparse.ArgumentParser) -> None:
         "--data-parallel-address",
         default=None,
         help="this node's address as the engines reach it (default: Ray's node IP)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=API_SERVER_READY_TIMEOUT_S,
+        metavar="S",
+        help="how long to wait for a rank of the namespace's cluster to serve before exiting 1 "
+        "(progress is logged meanwhile)",
+    )
+    parser.add_argument(
+        "--exit-with-cluster",
+        action="store_true",
+        help="exit when the cluster is gone (stopped) instead of answering 503 until a cluster "
+        "serves the namespace again and attaching to it",
     )

@@ -2,7 +2,9 @@
 
 The front end is one `AsyncLLM` attached to the cluster (its own DPLB client); it knows the
 cluster's registry only to report the cluster's facts (rank states, attached clients, size,
-resizes) in `/metrics`.
+resizes) in `/metrics`. A front end that follows its cluster (`follow`) is detached while no
+cluster serves its namespace: then `llm` raises a 503 saying why, until `bind_cluster` binds
+the next one.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from shoal.actors.registry import RegistryHandle
 from shoal.client.async_llm import AsyncLLM
-from shoal.deploy.metrics import ServerMetrics
+from shoal.client.routing import RoutingStats
+from shoal.deploy.metrics import ServerMetrics, cache_config_labels
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.deploy.openai.limits import FrontEndLimits
 from shoal.deploy.openai.tokenizer_pool import TokenizerPool
@@ -34,11 +38,10 @@ _STATUS_TIMEOUT_S = 2.0
 class ServerState:
     """One front end: its client, the names it answers to, its keys, bounds and metrics."""
 
-    llm: AsyncLLM
+    current_llm: AsyncLLM | None  # None while detached (`not_serving_reason` says why)
     model_name: str
     api_key: str | None
-    metrics: ServerMetrics
-    registry: Any = None  # the cluster registry's actor handle, when serving a cluster
+    registry: RegistryHandle | None = None  # the cluster's registry, when serving a cluster
     num_in_flight: int = 0  # POSTs in progress, streams until their last byte (`/load`)
     admin_api_key: str | None = None  # the resize endpoints' key (default: `api_key`)
     limits: FrontEndLimits = field(default_factory=FrontEndLimits)
@@ -47,6 +50,12 @@ class ServerState:
     served_model_names: tuple[str, ...] = ()  # every name requests may use (`model_name` too)
     # Where a request is silent: `--generation-config`'s defaults (`generation_config.py`).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Why no cluster serves this front end now (None while one does): the 503s' message.
+    not_serving_reason: str | None = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = self._make_metrics(self.model_name)
 
     @classmethod
     def make(
@@ -54,26 +63,88 @@ class ServerState:
         llm: AsyncLLM,
         model_name: str,
         api_key: str | None,
-        registry: Any = None,
+        registry: RegistryHandle | None = None,
         *,
         admin_api_key: str | None = None,
         limits: FrontEndLimits | None = None,
     ) -> ServerState:
-        metrics = ServerMetrics(model_name, lambda: rank_stats(llm), llm.routing_stats)
         return cls(
             llm,
             model_name,
             api_key,
-            metrics,
             registry,
             admin_api_key=admin_api_key or api_key,
             limits=limits or FrontEndLimits(),
             tokenizer_pool=TokenizerPool(llm.tokenizer),
         )
 
+    def _make_metrics(self, model_name: str) -> ServerMetrics:
+        """Metrics whose per-rank and routing series follow whichever client is bound."""
+
+        def routing_stats() -> RoutingStats | None:
+            llm = self.current_llm
+            return None if llm is None else llm.routing_stats()
+
+        return ServerMetrics(model_name, self.rank_stats, routing_stats, self.cache_config_info)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The client of the cluster this front end serves.
+
+        Raises:
+            OpenAIError: no cluster serves it now (503, saying why).
+        """
+        if self.current_llm is None:
+            raise self.not_serving_error()
+        return self.current_llm
+
+    def not_serving_error(self) -> OpenAIError:
+        """The 503 every request gets while no cluster serves this front end."""
+        return OpenAIError(
+            self.not_serving_reason or "no cluster serves this front end",
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            code="cluster_not_serving",
+        )
+
+    def shutdown_pool(self) -> None:
+        if self.tokenizer_pool is not None:
+            self.tokenizer_pool.shutdown()
+
+    def bind_cluster(self, llm: AsyncLLM, registry: RegistryHandle, model_name: str) -> None:
+        """Serves `llm`'s cluster from now on (after `detach_cluster`, the next cluster of the
+        namespace). Metrics restart only if the reported model name changes."""
+        old_pool = self.tokenizer_pool
+        self.tokenizer_pool = TokenizerPool(llm.tokenizer)
+        if old_pool is not None:
+            old_pool.shutdown()
+        if model_name != self.model_name:
+            self.metrics = self._make_metrics(model_name)
+        self.model_name = model_name
+        self.registry = registry
+        self.current_llm = llm
+        self.not_serving_reason = None
+
+    def detach_cluster(self, reason: str) -> AsyncLLM | None:
+        """Stops serving the cluster: from now on every request gets a 503 saying `reason`.
+
+        Returns:
+            The client that served it (the caller closes it), or None if none was bound.
+        """
+        llm, self.current_llm = self.current_llm, None
+        self.not_serving_reason = reason
+        self.registry = None
+        self.metrics.cluster.clear()
+        return llm
+
     @property
     def pool(self) -> TokenizerPool:
-        """Where tokenizer work runs, off the event loop."""
+        """Where tokenizer work runs, off the event loop.
+
+        Raises:
+            OpenAIError: no cluster serves this front end now (503).
+        """
+        if self.current_llm is None:
+            raise self.not_serving_error()
         assert self.tokenizer_pool is not None, "ServerState.make makes the pool"
         return self.tokenizer_pool
 
@@ -101,8 +172,24 @@ class ServerState:
             )
 
     def serving_ranks(self) -> list[int]:
-        """The ranks this front end can route requests to now."""
-        return self.llm.serving_ranks()
+        """The ranks this front end can route requests to now (none while detached)."""
+        llm = self.current_llm
+        return [] if llm is None else llm.serving_ranks()
+
+    def cache_config_info(self) -> dict[int, dict[str, str]]:
+        """Each attached rank's KV cache configuration, as `vllm:cache_config_info` labels."""
+        llm = self.current_llm
+        if llm is None:
+            return {}
+        return {
+            rank: cache_config_labels(llm.config.cache, facts)
+            for rank, facts in llm.engine_core.engine_facts().items()
+        }
+
+    def rank_stats(self) -> dict[int, SchedulerStats]:
+        """The latest published stats of each rank the front end is attached to."""
+        llm = self.current_llm
+        return {} if llm is None else llm.rank_stats()
 
     async def refresh_cluster_facts(self) -> None:
         """Reads the cluster's facts from the registry for the next scrape: rank states,
@@ -119,8 +206,3 @@ class ServerState:
             facts.data_parallel_size = int(status["data_parallel_size"])
             facts.is_scaling = status.get("scaling") is not None
             self.metrics.observe_scale_history(status.get("scale_history") or [])
-
-
-def rank_stats(llm: AsyncLLM) -> dict[int, SchedulerStats]:
-    """The latest published stats of each rank the front end's DP client is attached to."""
-    return llm.rank_stats()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shoal.actors.membership import RankInfo, RankState, registration_digest
-from shoal.actors.membership_table import MembershipTable, TableState
+from shoal.actors.membership_table import MAX_RANK_FAILURES_KEPT, MembershipTable, TableState
 from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import EngineEndpoint
 
@@ -52,6 +52,19 @@ def test_every_change_is_saved_and_a_refused_registration_changes_nothing() -> N
     table.mark_dead(0, b"0:a")
     assert table.rank(0).state == RankState.DEAD and table.epoch == 3
     assert table.serving_ranks() == [] and saves.count == 3
+
+
+def test_each_rank_failure_is_recorded_once_and_only_the_latest_are_kept() -> None:
+    table, _ = _table()
+    table.set_rank(RankInfo(0, RankState.STARTING, "e-0", "pg-0"))
+    for n in range(MAX_RANK_FAILURES_KEPT + 2):
+        table.register(_endpoint(0, f"0:{n}".encode()), "10.0.0.1", b"", joining=False)
+        table.mark_dead(0, f"0:{n}".encode())
+        table.mark_dead(0, f"0:{n}".encode())  # a second report of the same death
+    failures = table.rank_failures()
+    assert len(failures) == MAX_RANK_FAILURES_KEPT
+    assert {rank for _, rank in failures} == {0}
+    assert [at for at, _ in failures] == sorted(at for at, _ in failures)
 
 
 async def test_a_long_poll_wakes_on_the_next_bump_or_returns_at_its_timeout() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from shoal.client.dp_client import DPLBAsyncMPClient
 from shoal.client.engine_set import EngineSet
+from shoal.client.migration import RequestsLostError
 from shoal.engine.errors import EngineDeadError, RequestError
 from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, EngineFacts
 from tests.client.async_utils import collect
@@ -97,10 +98,13 @@ async def test_removing_reattaching_and_losing_a_rank_changes_the_one_engine_set
         await client.add_request_async(_pinned("on-one", 1))
         assert client.rank_of("on-one") == 1
 
-        one.stop()  # lost: its request fails, and routing stops at once
+        one.stop()  # lost: routing stops at once; its request, pinned, cannot move
         with pytest.raises(EngineDeadError) as info:
             await collect(client, {"on-one"})
-        assert info.value.engine_index == 1
+        assert type(info.value) is EngineDeadError and info.value.engine_index == 1
+        with pytest.raises(RequestsLostError) as lost:  # then the requests it could not move
+            await client.get_output_async()
+        assert lost.value.request_ids == ["on-one"] and lost.value.engine_index == 1
         assert engines.dead() == [1] and engines.indices() == [0, 1]
         assert client.lb_engines == [0] and client.rank_of("on-one") is None
         assert 1 not in client.router.loads

@@ -1,7 +1,7 @@
 """A real two-rank expert-parallel cluster on Ray: each rank holds half the experts, greedy
 tokens equal HF's, the ranks step in DP waves and pause together, and a rank killed mid-wave
-fails the cluster's pending requests promptly and the cluster serves again once Ray has
-restarted it."""
+fails the pinned requests promptly, holds the others, and the cluster serves them again once
+Ray has restarted it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import ray
 
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
+from shoal.client.migration import REASON_RANK_FAILED
 from shoal.client.outputs import RequestOutput
-from shoal.cluster.launch import ClusterHandle, launch
+from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import EngineDeadError
@@ -36,6 +37,10 @@ ENGINE_KWARGS: dict[str, Any] = {
 }
 
 
+# Unpinned requests in flight when a rank dies: still decoding then, held, and resumed.
+MAX_HELD_TOKENS = 120
+
+
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -50,12 +55,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cluster(ray_local: str, checkpoint: str) -> Iterator[ClusterHandle]:
     config = EngineConfig.from_kwargs(checkpoint, data_parallel_size=2, **ENGINE_KWARGS)
-    handle = launch(
-        config,
-        namespace=unique_namespace("ep"),
-        resources=RankResources(num_cpus=1),
-        host="127.0.0.1",
-    )
+    options = LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1")
+    handle = launch(config, options, namespace=unique_namespace("ep"))
     yield handle
     handle.shutdown()
 
@@ -136,14 +137,17 @@ async def test_idle_rank_steps_in_the_wave_then_every_rank_pauses(
     await _until(lambda: _wave(cluster)["current_wave"] > paused["current_wave"], 10)
 
 
-async def test_a_rank_killed_mid_wave_fails_pending_requests_and_the_cluster_serves_again(
+async def test_a_rank_killed_mid_wave_holds_unpinned_requests_until_the_cluster_serves_again(
     llm: AsyncLLM, cluster: ClusterHandle
 ) -> None:
+    """Pinned requests fail promptly; unpinned ones are held while the ranks re-form, then go
+    on from their last token to the undisturbed greedy output."""
     old = {r: i.incarnation for r, i in cluster.membership().ranks.items()}
     pending = [
         asyncio.create_task(_final(llm, f"doomed {i}", _params(400), data_parallel_rank=i % 2))
         for i in range(4)
     ]
+    held = [asyncio.create_task(_final(llm, f"held {i}", _params(MAX_HELD_TOKENS))) for i in (0, 1)]
     await _until(lambda: _wave(cluster)["running"], 10)
     await asyncio.sleep(0.3)
     ray.kill(cluster.engine(1), no_restart=False)
@@ -151,6 +155,11 @@ async def test_a_rank_killed_mid_wave_fails_pending_requests_and_the_cluster_ser
     results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 15)
     assert time.monotonic() - killed_at < 10.0
     assert all(isinstance(r, EngineDeadError) for r in results), results
+    outputs = await asyncio.wait_for(asyncio.gather(*held), 120)
+    router = llm.routing_stats()
+    assert router is not None and router.migrated.get(REASON_RANK_FAILED, 0) >= 1
+    references = [await _final(llm, f"held {i}", _params(MAX_HELD_TOKENS)) for i in (0, 1)]
+    assert [o.outputs[0].token_ids for o in outputs] == [r.outputs[0].token_ids for r in references]
 
     # Ray restarts the killed rank (and the survivor, whose wave failed); the groups form
     # again and the cluster serves with no one's help.

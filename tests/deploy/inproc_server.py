@@ -48,9 +48,15 @@ def set_chat_template(checkpoint: str, template: str) -> None:
 
 @contextlib.contextmanager
 def serving_in_process(
-    checkpoint: str, tool_calls: ToolCallConfig | None = None, **engine_kwargs: Any
+    checkpoint: str,
+    tool_calls: ToolCallConfig | None = None,
+    *,
+    model_name: str = MODEL_NAME,
+    api_key: str | None = None,
+    **engine_kwargs: Any,
 ) -> Iterator[str]:
-    """Serves `checkpoint` until the block exits; yields the base URL (…/v1 not included)."""
+    """Serves `checkpoint` as `model_name` (requests need `api_key`, if given) until the block
+    exits; yields the base URL (…/v1 not included)."""
     port = free_port()
     ready = threading.Event()
     holder: dict[str, Any] = {}
@@ -58,7 +64,7 @@ def serving_in_process(
     async def main() -> None:
         kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 64, **engine_kwargs}
         llm = AsyncLLM(checkpoint, **kwargs)
-        state = ServerState.make(llm, MODEL_NAME, None)
+        state = ServerState.make(llm, model_name, api_key)
         if tool_calls is not None:
             state.tool_calls = tool_calls
         config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")

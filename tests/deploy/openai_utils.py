@@ -54,14 +54,8 @@ def start_shoal(
 ) -> FrontEnd:
     """Runs `python -m shoal.deploy ARGS --port P` (with Ray's `auth_token`, if given) and
     waits until `/health` answers 200."""
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.deploy", *args, "--port", str(port),
-             "--address", head.gcs_address],
-            stdout=out, stderr=subprocess.STDOUT, env=ray_env(auth_token), cwd=REPO_ROOT,
-        )  # fmt: skip
-    front_end = FrontEnd(proc, port, log)
+    front_end = spawn_shoal(head, args, log, auth_token)
+    proc = front_end.proc
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -71,6 +65,20 @@ def start_shoal(
         time.sleep(0.5)
     front_end.stop()
     raise AssertionError(f"no /health within {READY_TIMEOUT_S} s:\n{front_end.output()}")
+
+
+def spawn_shoal(
+    head: RayHead, args: Sequence[str], log: Path, auth_token: str | None = None
+) -> FrontEnd:
+    """Runs `python -m shoal.deploy ARGS --port P` against `head`; does not wait for it."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal.deploy", *args, "--port", str(port),
+             "--address", head.gcs_address],
+            stdout=out, stderr=subprocess.STDOUT, env=ray_env(auth_token), cwd=REPO_ROOT,
+        )  # fmt: skip
+    return FrontEnd(proc, port, log)
 
 
 def http_status(url: str) -> int | None:

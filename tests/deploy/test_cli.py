@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +135,19 @@ def test_format_status_shows_ranks_load_and_clients() -> None:
     ]  # fmt: skip
     assert lines[5].split() == ["1", "dead", "1", "-", "-", "-", "-", "-", "-", "-"]
     assert "clients: 1" in lines and "api-server" in lines[-1]
+    assert "rank failures in the last 10 min: 0" in lines
+
+
+def test_format_status_counts_the_recent_rank_failures() -> None:
+    now = time.time()
+    status = {
+        "namespace": "prod", "model": "/m", "epoch": 9, "served_by": None,
+        "detached": False, "stopping": False, "ranks": [], "clients": [],
+        "rank_failures": [{"at": now - 3600, "rank": 0}, {"at": now - 120, "rank": 1},
+                          {"at": now - 30, "rank": 2}],
+    }  # fmt: skip
+    lines = format_status(status).splitlines()
+    assert "rank failures in the last 10 min: 2 (latest: rank 2, 30 s ago)" in lines
 
 
 @pytest.mark.slow

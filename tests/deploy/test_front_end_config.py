@@ -61,3 +61,13 @@ def test_the_routing_policy_is_cache_aware_unless_chosen() -> None:
     assert _config_of("--routing-policy", "round-robin").routing_policy == "round-robin"
     with pytest.raises(SystemExit):
         _config_of("--routing-policy", "random")
+
+
+def test_the_migration_limit_defaults_to_three_and_refuses_a_negative(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _config_of().migration_limit == 3
+    assert _config_of("--migration-limit", "0").migration_limit == 0
+    with pytest.raises(SystemExit):
+        _config_of("--migration-limit", "-1")
+    assert "must be >= 0" in capsys.readouterr().err

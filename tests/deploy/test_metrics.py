@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.client.outputs import RequestMetrics
 from shoal.client.routing import RoutingStats
-from shoal.deploy.metrics import ServerMetrics
-from shoal.engine.protocol import SchedulerStats
+from shoal.deploy.metrics import ServerMetrics, cache_config_labels
+from shoal.engine.config import CacheConfig
+from shoal.engine.protocol import EngineFacts, SchedulerStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "shoal-dashboard.json"
 
@@ -34,7 +35,9 @@ def _make() -> ServerMetrics:
             num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25,
             prefix_cache_queries_total=100, prefix_cache_hits_total=40, num_preemptions_total=2,
         ),
-        1: SchedulerStats(num_running_reqs=0, kv_cache_usage=0.0),
+        1: SchedulerStats(num_running_reqs=0, kv_cache_usage=0.0,
+                          iteration_tokens_counts=[5, 2, 0, 1] + [0] * 9 + [1],
+                          iteration_tokens_sum=5 + 2 * 8 + 30 + 20000),
     }  # fmt: skip
     metrics = ServerMetrics("m", lambda: stats)
     metrics.cluster.ranks_by_state = {"ready": 2}
@@ -158,3 +161,59 @@ def test_routing_series_come_from_the_router() -> None:
     assert samples[("shoal:routing_actual_hit_tokens_total", model)] == 624
     # One local engine routes nothing: no routing series at all.
     assert not any(name.startswith("shoal:routing") for name, _ in _samples(_make()))
+
+
+def test_migration_series_count_moves_and_losses_by_reason() -> None:
+    routing = RoutingStats(migrated={"rank_failed": 3, "resize": 1}, failed={"pinned": 2})
+    samples = _samples(ServerMetrics("m", dict, lambda: routing))
+    model = ("model_name", "m")
+    migrated, failed = "shoal:requests_migrated_total", "shoal:requests_failed_total"
+    assert samples[(migrated, (model, ("reason", "rank_failed")))] == 3
+    assert samples[(migrated, (model, ("reason", "resize")))] == 1
+    assert samples[(failed, (model, ("reason", "pinned")))] == 2
+    assert samples[(failed, (model, ("reason", "migration_limit")))] == 0
+    assert samples[(failed, (model, ("reason", "no_rank")))] == 0
+
+
+def test_cache_config_info_labels_each_rank_with_its_kv_cache() -> None:
+    cache = CacheConfig(block_size=32, enable_prefix_caching=False, num_gpu_blocks_override=64)
+    facts = {
+        rank: EngineFacts(rank, b"id", "model", 256, num_kv_blocks, 32, 100)
+        for rank, num_kv_blocks in ((0, 64), (1, 48))
+    }
+    metrics = ServerMetrics(
+        "m", dict, cache_config=lambda: {r: cache_config_labels(cache, f) for r, f in facts.items()}
+    )
+    samples = {
+        labels: value
+        for (name, labels), value in _samples(metrics).items()
+        if name == "vllm:cache_config_info"
+    }
+    assert len(samples) == 2 and set(samples.values()) == {1.0}
+    rank1 = dict(next(labels for labels in samples if ("engine", "1") in labels))
+    assert rank1 == {
+        "model_name": "m", "engine": "1", "block_size": "32", "num_gpu_blocks": "48",
+        "num_gpu_blocks_override": "64", "enable_prefix_caching": "False", "cache_dtype": "auto",
+        "gpu_memory_utilization": "0.9", "kv_cache_memory_bytes": "None",
+    }  # fmt: skip
+    # No rank attached (a front end between clusters): no series.
+    assert b"vllm:cache_config_info{" not in ServerMetrics("m", dict).render()
+
+
+def test_iteration_tokens_are_each_ranks_steps_in_vllms_buckets() -> None:
+    samples = _samples(_make())
+    rank1 = (("engine", "1"), ("model_name", "m"))
+
+    def bucket(le: str) -> float:
+        return samples[("vllm:iteration_tokens_total_bucket", (*rank1[:1], ("le", le), rank1[1]))]
+
+    assert [bucket(le) for le in ("1.0", "8.0", "16.0", "32.0", "16384.0", "+Inf")] == [
+        5, 7, 7, 8, 8, 9,
+    ]  # fmt: skip
+    assert samples[("vllm:iteration_tokens_total_count", rank1)] == 9
+    assert samples[("vllm:iteration_tokens_total_sum", rank1)] == 5 + 16 + 30 + 20000
+    # Rank 0's engine reported none: no series rather than zeros that were never measured.
+    assert not any(
+        name.startswith("vllm:iteration_tokens") and ("engine", "0") in labels
+        for name, labels in samples
+    )

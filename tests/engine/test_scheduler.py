@@ -66,6 +66,17 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
     _assert_all_blocks_free(scheduler)
 
 
+def test_stats_count_each_step_by_the_tokens_it_computed() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    (request,) = make_requests(1, 50, max_tokens=3)
+    scheduler.add_request(request)
+    run_until_done(scheduler)  # steps of 16, 16, 16, 2, 1 and 1 tokens (as above)
+    stats = scheduler.make_stats()
+    # Buckets of at most 1, 8, 16, 32, ... tokens, the last one past 16,384.
+    assert stats.iteration_tokens_counts == [2, 1, 3] + [0] * 11
+    assert stats.iteration_tokens_sum == 52
+
+
 def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=16)
     short, long = make_requests(2, [6, 40], max_tokens=4)
