@@ -17,7 +17,14 @@ bounds, one per request and so distinct, give a lower bound on every percentile 
 included (decode work, which only adds to it, is left out).
 
     .venv/bin/python bench/load_balance.py [--rounds 2] [--speed 1.0] [--num-ranks 4] \
-        [--max-num-batched-tokens 256] [--details requests.jsonl] [--record]
+        [--max-num-batched-tokens 256] [--details requests.jsonl] [--record] [--equal-cache]
+
+`--equal-cache` checks that cache-aware routing still balances when no rank holds more of a
+prompt than another: only cache-aware and least-loaded, alternating for `--rounds` rounds (4
+by default), with prefix caching on (so cache-aware hashes every prompt and reads an index
+fed by KV events) and fresh random prompts in every replay (so no replay finds another's
+blocks). It prints each round's p99 TTFT of both and their ratio, the ratios' spread, and
+the ratio of the pooled p99s (target <= 1.05x).
 
 `--details` writes one JSON line per request (arrival, lengths, TTFT, end-to-end latency, the
 rank that served it), to see where each policy's tail comes from. `--record` regenerates the
@@ -42,7 +49,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.cluster.launch import launch
+from shoal.cluster.launch import LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig
 from tests.factories import make_tiny_checkpoint
@@ -177,9 +184,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def replay(namespace: str, policy: str, trace: list[TraceEntry]) -> list[Record]:
+async def replay(
+    namespace: str, policy: str, trace: list[TraceEntry], seed: int = 0
+) -> list[Record]:
+    """The trace through `policy`; the prompts' token ids are drawn from `seed`."""
     llm = await AsyncLLM.connect(namespace, host="127.0.0.1", policy=policy, name=f"bench {policy}")
-    rng = random.Random(0)
+    rng = random.Random(seed)
     records: list[Record] = []
 
     async def one(entry: TraceEntry, start: float) -> None:
@@ -211,9 +221,38 @@ def write_details(path: Path, results: dict[str, list[Record]]) -> None:
                 out.write(json.dumps({"policy": policy, **r.entry.__dict__, **figures}) + "\n")
 
 
+def print_equal_cache(round_p99s: dict[str, list[float]], p99_ttft: dict[str, float]) -> None:
+    """Each round's p99 TTFT, cache-aware / least-loaded, and the spread of that ratio."""
+    ours, theirs = round_p99s["shoal cache-aware"], round_p99s["shoal least-loaded"]
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    print()
+    for i, (a, b, ratio) in enumerate(zip(ours, theirs, ratios, strict=True)):
+        print(
+            f"round {i + 1}: p99 TTFT cache-aware {a * 1e3:.0f} ms, least-loaded "
+            f"{b * 1e3:.0f} ms, ratio {ratio:.2f}x"
+        )
+    spread = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+    pooled = p99_ttft["shoal cache-aware"] / p99_ttft["shoal least-loaded"]
+    print(
+        f"p99 TTFT cache-aware / least-loaded per round: median {statistics.median(ratios):.2f}x,"
+        f" min {min(ratios):.2f}x, max {max(ratios):.2f}x, stdev {spread:.2f}; pooled "
+        f"{pooled:.2f}x (target <= 1.05x: balancing at equal cache)"
+    )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="replays per policy, interleaved")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="replays per policy, interleaved (default 2; 4 with --equal-cache)",
+    )
+    parser.add_argument(
+        "--equal-cache",
+        action="store_true",
+        help="cache-aware against least-loaded only, prefix caching on, fresh prompts per replay",
+    )
     parser.add_argument("--record", action="store_true", help="regenerate the trace file")
     parser.add_argument(
         "--speed", type=float, default=1.0, help="replay the arrivals this many times faster"
@@ -231,11 +270,16 @@ def main() -> None:
     parser.add_argument(
         "--details", type=Path, help="write every request's figures here (JSON lines)"
     )
+    parser.add_argument(
+        "--max-requests", type=int, help="replay only the trace's first N requests (a smoke run)"
+    )
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 4 if args.equal_cache else 2
     if args.record or not TRACE.exists():
         TRACE.parent.mkdir(exist_ok=True)
         TRACE.write_text(json.dumps([e.__dict__ for e in record_trace()], indent=0))
-    trace = load_trace()
+    trace = load_trace()[: args.max_requests]
     print(
         f"trace: {len(trace)} requests over {trace[-1].at:.0f} s, prompt tokens "
         f"p50 {statistics.median(e.prompt_tokens for e in trace):.0f} max "
@@ -243,6 +287,7 @@ def main() -> None:
         f"{statistics.median(e.output_tokens for e in trace):.0f} max "
         f"{max(e.output_tokens for e in trace)}"
     )
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     trace = [TraceEntry(e.at / args.speed, e.prompt_tokens, e.output_tokens) for e in trace]
     ray.init(num_cpus=args.num_ranks, include_dashboard=False, log_to_driver=False)
     # Big enough that a step's cost grows with the tokens in it (prefill is real work), small
@@ -260,27 +305,35 @@ def main() -> None:
     config = EngineConfig.from_kwargs(
         checkpoint,
         data_parallel_size=args.num_ranks,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.equal_cache,
         cpu_threads=1,  # one core's worth per rank, as the floor below assumes
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=1024,
     )
-    cluster = launch(
-        config, namespace="shoal-bench-lb", resources=RankResources(num_cpus=1), host="127.0.0.1"
-    )
-    results: dict[str, list[Record]] = {name: [] for name in POLICIES}
+    options = LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1")
+    cluster = launch(config, options, namespace="shoal-bench-lb")
+    equal_cache = ("shoal cache-aware", "shoal least-loaded")
+    policies = {k: POLICIES[k] for k in equal_cache} if args.equal_cache else POLICIES
+    results: dict[str, list[Record]] = {name: [] for name in policies}
+    round_p99s: dict[str, list[float]] = {name: [] for name in policies}
     try:
         asyncio.run(warm_up(cluster.namespace, args.num_ranks, 1024))
-        seconds_per_token = asyncio.run(
-            # one full step, within the bench model's 2048-token context
-            prefill_seconds_per_token(cluster.namespace, min(args.max_num_batched_tokens, 1024))
-        )
-        names = list(POLICIES)
+        seconds_per_token = 0.0  # only the floor needs it, which --equal-cache leaves out
+        if not args.equal_cache:  # its repeated probes would hit the prefix cache
+            seconds_per_token = asyncio.run(
+                # one full step, within the bench model's 2048-token context
+                prefill_seconds_per_token(cluster.namespace, min(args.max_num_batched_tokens, 1024))
+            )
+        names = list(policies)
         for round_index in range(args.rounds):
             # Each round starts with the next policy: none is always first or last.
             shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                results[name] += asyncio.run(replay(cluster.namespace, POLICIES[name], trace))
+            for i, name in enumerate(names[shift:] + names[:shift]):
+                # With prefix caching on, no replay may find another's prompts cached.
+                seed = round_index * len(names) + i if args.equal_cache else 0
+                records = asyncio.run(replay(cluster.namespace, policies[name], trace, seed))
+                results[name] += records
+                round_p99s[name].append(percentile([r.ttft for r in records], 99))
     finally:
         cluster.shutdown()
         ray.shutdown()
@@ -296,6 +349,9 @@ def main() -> None:
             f"{name:<26}{statistics.median(ttfts) * 1e3:>10.0f}{p99_ttft[name] * 1e3:>10.0f}"
             f"{statistics.median(e2es) * 1e3:>10.0f}{percentile(e2es, 99) * 1e3:>10.0f}"
         )
+    if args.equal_cache:
+        print_equal_cache(round_p99s, p99_ttft)
+        return
     num_cores = min(args.num_ranks, os.cpu_count() or 1)
     floor = percentile(ttft_floors(trace, seconds_per_token, num_cores) * args.rounds, 99)
     print(

@@ -1,302 +1,254 @@
-"""Prefix-cache routing on two ranks: multi-turn chats over shared documents, three policies.
+"""Prefix-cache routing on two ranks: multi-turn chats over shared documents, shoal against vLLM.
 
 Conversations over a few long documents arrive in a Poisson process; each turn repeats the
 conversation so far (document, earlier questions and answers) plus a new question, and is sent
 once the previous answer has arrived. Each rank's KV cache holds fewer blocks than all the
-documents need, so where a turn lands decides whether its prefix is still cached. The same
-workload is replayed, in one run and against one DP=2 cluster (one thread per rank), through
-shoal's cache-aware, least-loaded and round-robin policies, in two variants:
+documents need, so where a turn lands decides whether its prefix is still cached. Two variants:
 
 - open-loop: conversations arrive at `--rate` per second, whatever is in flight;
 - closed-loop: `--concurrency` conversations at a time, each followed by the next at once,
   enough to keep both ranks busy.
 
-For each it prints TTFT p50 / p90 / mean, output tokens per second, and the cluster's
-prefix-cache hit rate beside the ideal: one rank with an unlimited cache seeing the same
-prompts in the same order. The hit rate is the prompt tokens each request found cached, as
-its engine reported with its first output, over all prompt tokens (the engines' cumulative
-counters also count the re-admissions of preempted requests, which flatters the policies
-that preempt most). Every replay starts from empty caches, and the policies take turns going
-first. `--load-weights` adds cache-aware variants with other balances (`load_weight`).
+By default every system is an OpenAI server with two ranks of one thread each, driven over
+HTTP by the same streamed `openai` client (see `prefix_routing_peers.py`): shoal with its
+cache-aware and least-loaded policies, and vLLM's own DP=2 load balancer with prefix caching
+on. All serve the same model (a tiny random Llama, head size 64, made here: big enough that
+prefill is real work, small enough for full runs on two cores; `--model DIR` serves another
+Hugging Face directory both load), with the same block size, usable KV blocks per rank
+(`--num-gpu-blocks-override`, which vLLM's CPU backend honours; vLLM gets one more for the
+null block its pool holds back) and step budget. A system is started fresh per round, warmed
+up, then replays open-loop and closed-loop over different documents (so the first leaves
+nothing the second can hit); each round starts with the next system. The answers in the
+histories are scripted, so all systems see the same prompts.
+
+Printed per system and variant: TTFT p50 / p90 / mean, output tokens per second, the cluster's
+prefix-cache hit rate (the servers' `vllm:prefix_cache_{hits,queries}_total`) beside the
+ideal, one rank with an unlimited cache seeing the same prompts in the same order; then the
+ratios the targets name, the CPU and the load average.
+
+`--in-process` compares shoal's policies only, through `AsyncLLM` on one cluster, with the
+model's real answers in the histories (`prefix_routing_inproc.py`); `--load-weights` adds
+cache-aware variants with other balances (`load_weight`) there.
 
     .venv/bin/python bench/prefix_routing.py [--rounds 1] [--rate 4] [--concurrency 6] \
-        [--load-weights 2,4]
-
-vLLM's own DP load balancer is not part of this run.
+        [--systems "shoal cache-aware,shoal least-loaded,vllm"] [--num-conversations 24] \
+        [--in-process [--load-weights 2,4]]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import statistics
+import os
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.dp_client import DPLBAsyncMPClient
-from shoal.client.lb_policy import (
-    CacheAwarePolicy,
-    LoadBalancePolicy,
-    SessionAffinityPolicy,
-    make_policy,
-)
-from shoal.cluster.launch import launch
-from shoal.cluster.placement import RankResources
-from shoal.engine.block_hash import prompt_routing_keys
-from shoal.engine.config import EngineConfig
-from tests.factories import make_tiny_checkpoint
+from prefix_routing_workload import HEADER, Run, Workload, ideal_rate, merge, percentile, row
 
-POLICIES = ("cache-aware", "least-loaded", "round-robin")
-BLOCK_SIZE = 16
+CACHE_AWARE, LEAST_LOADED, VLLM = "shoal cache-aware", "shoal least-loaded", "vllm"
+VARIANTS = ("open-loop", "closed-loop")
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The conversations to replay: documents, turns, lengths."""
+def model_path(hidden_size: int) -> str:
+    """The tiny random Llama every system serves (head size 64, which vLLM's CPU kernels take,
+    and the bench tokenizer, whose ids the workload draws from)."""
+    from tests.factories import make_tiny_checkpoint
 
-    num_documents: int = 4
-    document_tokens: int = 1024
-    num_conversations: int = 24
-    num_turns: int = 4
-    question_tokens: int = 32
-    answer_tokens: int = 16
-    seed: int = 3
-
-    def documents(self) -> list[list[int]]:
-        rng = random.Random(self.seed)
-        return [
-            [rng.randrange(3, 500) for _ in range(self.document_tokens)]
-            for _ in range(self.num_documents)
-        ]
-
-    def questions(self, conversation: int) -> list[list[int]]:
-        rng = random.Random(self.seed * 1000 + conversation)
-        return [
-            [rng.randrange(3, 500) for _ in range(self.question_tokens)]
-            for _ in range(self.num_turns)
-        ]
-
-
-@dataclass
-class Run:
-    """What one replay measured."""
-
-    ttfts: list[float] = field(default_factory=list)
-    num_output_tokens: int = 0
-    seconds: float = 0.0
-    num_hit_tokens: int = 0  # prompt tokens the engines found cached, per request
-    num_prompt_tokens: int = 0
-    prompts: list[tuple[list[int], list[int]]] = field(default_factory=list)  # sent order
-
-
-async def _conversation(
-    llm: AsyncLLM, workload: Workload, docs: list[list[int]], index: int, run: Run
-) -> None:
-    history = list(docs[index % len(docs)])
-    params = SamplingParams(temperature=0.0, max_tokens=workload.answer_tokens, ignore_eos=True)
-    for question in workload.questions(index):
-        prompt = [*history, *question]
-        sent = time.monotonic()
-        first = None
-        answer: list[int] = []
-        hit = 0
-        async for output in llm.generate({"prompt_token_ids": prompt}, params):
-            if first is None:
-                first = time.monotonic() - sent
-            answer = list(output.outputs[0].token_ids)
-            hit = output.num_cached_tokens
-        assert first is not None
-        run.ttfts.append(first)
-        run.num_hit_tokens += hit
-        run.num_prompt_tokens += len(prompt)
-        run.num_output_tokens += len(answer)
-        run.prompts.append((prompt, answer))
-        history = [*prompt, *answer]
-
-
-def _policy(name: str) -> LoadBalancePolicy:
-    """A policy by name; "cache-aware w=X" is cache-aware with `load_weight` X."""
-    if name.startswith("cache-aware w="):
-        weight = float(name.removeprefix("cache-aware w="))
-        return SessionAffinityPolicy(inner=CacheAwarePolicy(load_weight=weight))
-    return make_policy(name)
-
-
-async def replay(
-    namespace: str, policy: str, workload: Workload, variant: str, rate: float, concurrency: int
-) -> Run:
-    llm = await AsyncLLM.connect(namespace, host="127.0.0.1", name=f"bench {policy}")
-    client = llm.engine_core
-    assert isinstance(client, DPLBAsyncMPClient)
-    client.policy = _policy(policy)
-    docs = workload.documents()
-    run = Run()
-    try:
-        assert all((await client.call_utility_all_async("reset_prefix_cache")).values())
-        await asyncio.sleep(0.3)  # the resets' KV events reach the index
-        started = time.monotonic()
-        if variant == "open-loop":
-            rng = random.Random(workload.seed)
-            tasks = []
-            at = 0.0
-            for i in range(workload.num_conversations):
-                delay = max(0.0, started + at - time.monotonic())
-                await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(_conversation(llm, workload, docs, i, run)))
-                at += rng.expovariate(rate)
-            await asyncio.gather(*tasks)
-        else:
-            queue = list(range(workload.num_conversations))
-
-            async def worker() -> None:
-                while queue:
-                    await _conversation(llm, workload, docs, queue.pop(0), run)
-
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-        run.seconds = time.monotonic() - started
-    finally:
-        await llm.aclose()
-    return run
-
-
-def ideal_hit_rate(prompts: list[tuple[list[int], list[int]]]) -> float:
-    """One rank, unlimited cache, the same prompts in the same order: hit tokens / prompt
-    tokens, with the engine's rule (full blocks, never the last prompt token)."""
-    cached: set[int] = set()
-    hits = queries = 0
-    for prompt, answer in prompts:
-        keys = prompt_routing_keys(prompt, BLOCK_SIZE)
-        num = 0
-        while num < len(keys) and keys[num] in cached:
-            num += 1
-        hits += num * BLOCK_SIZE
-        queries += len(prompt)
-        # The full blocks of what the engine computed: the prompt and the answer but its last
-        # token (sampled, never fed back); a padding token makes every full block count.
-        computed = [*prompt, *answer[:-1], 0]
-        cached.update(prompt_routing_keys(computed, BLOCK_SIZE))
-    return hits / max(1, queries)
-
-
-def p90(run: Run) -> float:
-    ttfts = sorted(run.ttfts)
-    return ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))]
-
-
-def _row(name: str, run: Run, ideal: float) -> str:
-    hit_rate = run.num_hit_tokens / max(1, run.num_prompt_tokens)
-    return (
-        f"{name:<18}{statistics.median(run.ttfts) * 1e3:>9.0f}{p90(run) * 1e3:>9.0f}"
-        f"{statistics.fmean(run.ttfts) * 1e3:>9.0f}{run.num_output_tokens / run.seconds:>10.1f}"
-        f"{100 * hit_rate:>8.1f}%{100 * ideal:>8.1f}%{100 * hit_rate / ideal:>9.0f}%"
+    return make_tiny_checkpoint(
+        Path(f"/tmp/shoal-bench-prefix-{hidden_size}"),
+        "llama",
+        hidden_size=hidden_size,
+        num_layers=6,
+        num_heads=hidden_size // 64,
+        num_kv_heads=max(1, hidden_size // 128),
+        intermediate_size=3 * hidden_size,
+        max_position_embeddings=2048,
     )
 
 
-def _merge(runs: list[Run]) -> Run:
-    merged = Run()
-    for run in runs:
-        merged.ttfts += run.ttfts
-        merged.num_output_tokens += run.num_output_tokens
-        merged.seconds += run.seconds
-        merged.prompts += run.prompts
-        merged.num_hit_tokens += run.num_hit_tokens
-        merged.num_prompt_tokens += run.num_prompt_tokens
-    return merged
+def run_http(
+    args: argparse.Namespace, model: str, systems: list[str], workloads: dict[str, Workload]
+) -> dict[tuple[str, str], list[Run]]:
+    """Every system started `--rounds` times, each time replaying both variants."""
+    from prefix_routing_peers import (
+        ServerConfig,
+        new_log_dir,
+        replay,
+        serving,
+        vllm_version,
+        warm_up,
+    )
+
+    config = ServerConfig(
+        model=model,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=2048,
+        start_timeout_s=args.start_timeout,
+    )
+    log_dir = new_log_dir()
+    print(f"vLLM peer: {vllm_version()}; server logs in {log_dir}", flush=True)
+    results: dict[tuple[str, str], list[Run]] = {}
+    for round_index in range(args.rounds):
+        shift = round_index % len(systems)
+        for system in systems[shift:] + systems[:shift]:
+            with serving(system, config, log_dir) as port:
+                asyncio.run(warm_up(port))
+                for variant, workload in workloads.items():
+                    run = asyncio.run(replay(port, workload, variant, args.rate, args.concurrency))
+                    results.setdefault((variant, system), []).append(run)
+                    print(
+                        f"  round {round_index + 1} {system} {variant}: {_brief(run)}", flush=True
+                    )
+    return results
+
+
+def _brief(run: Run) -> str:
+    if not run.ttfts:
+        return f"no request completed, {run.num_failed} failed"
+    return (
+        f"{len(run.ttfts)} turns in {run.seconds:.1f} s, TTFT p90 "
+        f"{percentile(run.ttfts, 90) * 1e3:.0f} ms, hits {run.num_hit_tokens}/"
+        f"{run.num_query_tokens}, {run.num_failed} failed"
+    )
+
+
+def report(
+    results: dict[tuple[str, str], list[Run]], systems: list[str], block_size: int
+) -> dict[tuple[str, str], tuple[Run, float]]:
+    """Prints one table per variant; returns (merged run, ideal hit rate) per entry."""
+    figures: dict[tuple[str, str], tuple[Run, float]] = {}
+    for variant in VARIANTS:
+        print(f"\n{variant + ':':<22}{HEADER}")
+        for system in systems:
+            runs = results[(variant, system)]
+            figures[(variant, system)] = (merge(runs), ideal_rate(runs, block_size))
+            print(row(system, *figures[(variant, system)]))
+    print("ideal: one rank with an unlimited cache, the same prompts in the same order")
+    return figures
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs > 0 else "n/a"
+
+
+def print_targets(figures: dict[tuple[str, str], tuple[Run, float]]) -> None:
+    """The ratios the targets name, for the systems this run measured."""
+    have = {system for _, system in figures}
+    if CACHE_AWARE not in have:
+        return
+    open_ca = figures[("open-loop", CACHE_AWARE)][0]
+    closed_ca = figures[("closed-loop", CACHE_AWARE)][0]
+    if not open_ca.ttfts or not closed_ca.ttfts:
+        return
+    print("\ntargets (shoal cache-aware against the others):")
+    for other, label in ((VLLM, "vLLM"), (LEAST_LOADED, "least-loaded")):
+        if other not in have or not figures[("open-loop", other)][0].ttfts:
+            continue
+        theirs = figures[("open-loop", other)][0]
+        print(
+            f"  open-loop p90 TTFT / {label}: "
+            f"{_ratio(percentile(open_ca.ttfts, 90), percentile(theirs.ttfts, 90))} "
+            "(target <= 0.5x)"
+        )
+    if VLLM in have and figures[("open-loop", VLLM)][0].ttfts:
+        vllm_open, vllm_closed = figures[("open-loop", VLLM)][0], figures[("closed-loop", VLLM)][0]
+        mean = sum(open_ca.ttfts) / len(open_ca.ttfts)
+        print(
+            f"  open-loop mean TTFT / vLLM: "
+            f"{_ratio(mean, sum(vllm_open.ttfts) / len(vllm_open.ttfts))} (target <= 0.6x)"
+        )
+        ours = closed_ca.num_output_tokens / closed_ca.seconds
+        theirs_tps = vllm_closed.num_output_tokens / max(vllm_closed.seconds, 1e-9)
+        print(f"  closed-loop output tok/s / vLLM: {_ratio(ours, theirs_tps)} (target >= 1.2x)")
+    for variant in VARIANTS:
+        run, ideal = figures[(variant, CACHE_AWARE)]
+        rate = run.num_hit_tokens / max(1, run.num_query_tokens)
+        print(f"  {variant} hit rate / ideal: {_ratio(rate, ideal)} (target >= 0.9x)")
+
+
+def machine() -> str:
+    """The CPU, its vector flags, the cores this process may use, the load average."""
+    name, flags = "unknown CPU", set()
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    vector = " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{name}; {len(os.sched_getaffinity(0))} cores; flags: {vector}; load average {load}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1, help="replays per policy and variant")
+    parser.add_argument("--rounds", type=int, default=1, help="replays per system and variant")
     parser.add_argument("--rate", type=float, default=4.0, help="open-loop conversations/s")
     parser.add_argument("--concurrency", type=int, default=6, help="closed-loop conversations")
+    parser.add_argument("--num-conversations", type=int, default=24, help="per variant")
     parser.add_argument(
-        "--load-weights", default="", help="more cache-aware balances to compare, e.g. 2,4"
+        "--systems",
+        default=f"{CACHE_AWARE},{LEAST_LOADED},{VLLM}",
+        help='over HTTP: "vllm" and "shoal <policy>" (cache-aware, least-loaded, round-robin)',
     )
-    parser.add_argument("--hidden-size", type=int, default=256, help="the bench model's width")
+    parser.add_argument("--model", help="a Hugging Face directory both systems load")
+    parser.add_argument("--hidden-size", type=int, default=512, help="the tiny model's width")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM's CPU kernels need 32k")
+    parser.add_argument("--kv-blocks", type=int, default=96, help="each rank's KV blocks")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
+    parser.add_argument("--in-process", action="store_true", help="shoal's policies only")
     parser.add_argument(
-        "--kv-blocks", type=int, default=192, help="each rank's KV blocks (of 16 tokens)"
+        "--load-weights", default="", help="with --in-process: cache-aware balances, e.g. 2,4"
     )
     args = parser.parse_args()
-    policies = [*POLICIES]
-    policies += [f"cache-aware w={w}" for w in args.load_weights.split(",") if w]
-    workload = Workload()
-    need = workload.num_documents * workload.document_tokens // BLOCK_SIZE
+    base = Workload(num_conversations=args.num_conversations)
+    workloads = {
+        "open-loop": base,
+        "closed-loop": Workload(num_conversations=args.num_conversations, seed=4),
+    }
+    need = base.num_documents * base.document_tokens // args.block_size
     print(
-        f"{workload.num_conversations} conversations x {workload.num_turns} turns over "
-        f"{workload.num_documents} documents of {workload.document_tokens} tokens; each rank "
-        f"caches {args.kv_blocks} blocks, the documents need {need}"
+        f"per variant: {base.num_conversations} conversations x {base.num_turns} turns over "
+        f"{base.num_documents} documents of {base.document_tokens} tokens; each rank caches "
+        f"{args.kv_blocks} blocks of {args.block_size} tokens, the documents need {need}"
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    checkpoint = make_tiny_checkpoint(
-        Path("/tmp/shoal-bench-prefix"),
-        "llama",
-        hidden_size=args.hidden_size,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=3 * args.hidden_size,
-        max_position_embeddings=2048,
-    )
-    config = EngineConfig.from_kwargs(
-        checkpoint,
-        data_parallel_size=2,
-        cpu_threads=1,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=512,
-        num_gpu_blocks_override=args.kv_blocks,
-        max_model_len=2048,
-    )
-    cluster = launch(
-        config,
-        namespace="shoal-bench-prefix",
-        resources=RankResources(num_cpus=1),
-        host="127.0.0.1",
-    )
-    results: dict[tuple[str, str], list[Run]] = {}
-    try:
-        for round_index in range(args.rounds):
-            for variant in ("open-loop", "closed-loop"):
-                shift = round_index % len(policies)
-                for policy in policies[shift:] + policies[:shift]:
-                    run = asyncio.run(
-                        replay(
-                            cluster.namespace,
-                            policy,
-                            workload,
-                            variant,
-                            args.rate,
-                            args.concurrency,
-                        )
-                    )
-                    results.setdefault((variant, policy), []).append(run)
-    finally:
-        cluster.shutdown()
-        ray.shutdown()
-    figures: dict[tuple[str, str], Run] = {}
-    for variant in ("open-loop", "closed-loop"):
-        print(
-            f"\n{variant + ':':<18}{'TTFT p50':>9}{'p90':>9}{'mean':>9}{'out tok/s':>10}"
-            f"{'hit rate':>9}{'ideal':>9}{'of ideal':>10}   (TTFT in ms)"
+    print(f"before: {machine()}", flush=True)
+    model = args.model or model_path(args.hidden_size)
+    if args.in_process:
+        from prefix_routing_inproc import run_in_process
+
+        systems = [CACHE_AWARE, LEAST_LOADED, "shoal round-robin"]
+        systems += [f"shoal cache-aware w={w}" for w in args.load_weights.split(",") if w]
+        results = run_in_process(
+            model,
+            systems,
+            workloads,
+            rounds=args.rounds,
+            rate=args.rate,
+            concurrency=args.concurrency,
+            block_size=args.block_size,
+            kv_blocks=args.kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
-        for policy in policies:
-            run = _merge(results[(variant, policy)])
-            figures[(variant, policy)] = run
-            print(_row(policy, run, max(ideal_hit_rate(run.prompts), 1e-9)))
-    print("ideal: one rank with an unlimited cache, the same prompts in the same order")
-    ours = figures[("open-loop", "cache-aware")]
-    theirs = figures[("open-loop", "least-loaded")]
-    print(
-        f"\nopen-loop p90 TTFT: cache-aware / least-loaded = {p90(ours) / p90(theirs):.2f}x "
-        "(target <= 0.5x)"
-    )
+    else:
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        vllm_python = (
+            Path(__file__).resolve().parents[1] / ".bench" / "vllm-venv" / "bin" / "python"
+        )
+        if VLLM in systems and not vllm_python.exists():
+            sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
+        results = run_http(args, model, systems, workloads)
+    print(f"\nmodel {model}; after: {machine()}")
+    print_targets(report(results, systems, args.block_size))
 
 
 if __name__ == "__main__":
