@@ -281,6 +281,7 @@ class RegistryActor:
             "epoch": membership.epoch,
             "model": membership.config.model.model,
             "data_parallel_size": membership.config.parallel.data_parallel_size,
+            "tensor_parallel_size": membership.config.parallel.tensor_parallel_size,
             "detached": self.detached,
             "served_by": self._table.served_by,
             "stopping": membership.stopping,

@@ -19,17 +19,22 @@ import ray
 
 from shoal.actors.coordinator import CoordinatorHandle
 from shoal.actors.engine_actor import ENGINE_ACTOR_PREFIX, EngineActorHandle, engine_actor_name
-from shoal.actors.membership import Membership
+from shoal.actors.membership import Membership, RankState
 from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
 from shoal.actors.owner import OwnerHandle
 from shoal.actors.registry import RegistryHandle
 from shoal.actors.registry_state import StateStore
-from shoal.cluster.placement import remove_cluster_placement_groups
+from shoal.cluster.placement import remove_cluster_placement_groups, unplaced_ranks
 
 logger = logging.getLogger(__name__)
 
 # How long a caller waits for a registry that stopped answering to come back (Ray restarts it).
-REGISTRY_RESTART_WAIT_S = 30.0
+# A registry lost with its node is restarted only once the GCS has declared the node dead
+# (tens of seconds with Ray's default health checks) and a worker has started on another node; one
+# stopped with its cluster is given up on at once (its name is free).
+REGISTRY_RESTART_WAIT_S = 120.0
+# `shoal status`'s state of a dead rank that no node has room for (see `ClusterHandle.status`).
+RANK_LOST = "lost"
 # How long a killed actor may take to disappear from Ray's name table.
 _ACTOR_EXIT_TIMEOUT_S = 15.0
 
@@ -50,11 +55,18 @@ class ClusterHandle:
         return ray.get(self.registry.membership.remote())
 
     def status(self) -> dict[str, Any]:
-        """The registry's summary, each rank with its latest `load` from the coordinator."""
+        """The registry's summary, each rank with its latest `load` from the coordinator.
+
+        A dead rank whose placement group has no node (its node was lost and no other has
+        room) is "lost": Ray restarts it once a node with room joins.
+        """
         status: dict[str, Any] = ray.get(self.registry.status.remote())
         loads = ray.get(self.coordinator.latest_stats.remote())
+        unplaced = unplaced_ranks(self.namespace)
         for rank in status["ranks"]:
             rank["load"] = loads.get(rank["rank"])
+            if rank["state"] == RankState.DEAD and rank["rank"] in unplaced:
+                rank["state"] = RANK_LOST
         expert_parallel = status.get("expert_parallel")
         if expert_parallel is not None:  # the DP wave, as the ranks last reported it
             expert_parallel["current_wave"] = max(

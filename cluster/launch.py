@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shoal.actors.coordinator import CoordinatorActor, CoordinatorHandle
 from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
@@ -36,6 +37,7 @@ from shoal.cluster.ranks import (
     EngineStartError,
     LaunchOptions,
     add_ranks,
+    check_rank_resources,
     default_resources,
 )
 from shoal.engine.config import EngineConfig
@@ -43,6 +45,7 @@ from shoal.engine.core.curve import CurveKeyPair
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
 from shoal.engine.parallel.expert_parallel import check_expert_parallel
+from shoal.engine.parallel.tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +88,8 @@ def launch(
         config: the engine configuration shared by all ranks.
         options: how the ranks are started (what each reserves, how they are placed, the bind
             address, detached or not, how long start-up may take); default
-            `LaunchOptions(default_resources())`: one GPU per rank when the cluster has GPUs,
-            else one CPU.
+            `LaunchOptions(default_resources(tensor_parallel_size))`: one GPU per worker of a
+            rank when the cluster has GPUs, else one CPU per worker.
         namespace: Ray namespace the cluster's named actors live in.
 
     Returns:
@@ -94,7 +97,8 @@ def launch(
 
     Raises:
         ValueError: `--enable-expert-parallel` on a dense model or over more ranks than it
-            has experts (checked before anything starts).
+            has experts, a TP size the model cannot be split by, GPUs per rank that are not
+            one per TP worker (checked before anything starts).
         ClusterExistsError: if the namespace already has a cluster.
         EngineStartError: if an engine fails to start (nothing is left behind).
         ray.exceptions.GetTimeoutError: if placement or start-up exceed
@@ -104,11 +108,23 @@ def launch(
     _require_ray(namespace)
     if get_named_actor(REGISTRY_NAME, namespace) is not None:
         raise ClusterExistsError(f"a shoal cluster already runs in namespace {namespace!r}")
-    options = options or LaunchOptions(default_resources())
+    options = options or LaunchOptions(default_resources(config.parallel.tensor_parallel_size))
+    check_rank_resources(config, options.resources)
     lifetime = "detached" if options.detached else None
-    # Both are restarted by Ray when they die: the registry reads its saved state back and the
-    # coordinator binds its old addresses again (see their modules).
-    control = {"namespace": namespace, "lifetime": lifetime, "num_cpus": 0, "max_restarts": -1}
+    # All three are restarted by Ray when they die, their node included: the registry reads
+    # its saved state back, the coordinator binds its old addresses again (see their modules)
+    # and the owner holds nothing a detached cluster needs. They start on the launching node
+    # (Ray would put actors that reserve nothing on any node at random), softly, so that a
+    # restart after that node is lost goes wherever Ray finds room.
+    control = {
+        "namespace": namespace,
+        "lifetime": lifetime,
+        "num_cpus": 0,
+        "max_restarts": -1,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True
+        ),
+    }
     registry: RegistryHandle = (
         ray.remote(RegistryActor)
         .options(name=REGISTRY_NAME, **control)
@@ -122,11 +138,7 @@ def launch(
         .options(name=COORDINATOR_NAME, **control)
         .remote(options.host or "", namespace, coordinator_keys)
     )
-    owner: OwnerHandle = (
-        ray.remote(ClusterOwnerActor)
-        .options(name=OWNER_NAME, namespace=namespace, lifetime=lifetime, num_cpus=0)
-        .remote()
-    )
+    owner: OwnerHandle = ray.remote(ClusterOwnerActor).options(name=OWNER_NAME, **control).remote()
     handle = ClusterHandle(namespace, registry, coordinator, owner=owner)
     try:
         # The control actors' start is not the ranks' placement: it has its own bound.
@@ -151,16 +163,19 @@ def check_launchable(config: EngineConfig) -> None:
     """Refuses, before anything starts, a configuration no rank could serve.
 
     Raises:
-        ValueError: expert parallelism on a dense model, or over more ranks than experts.
+        ValueError: expert parallelism on a dense model, or over more ranks than experts; a
+            tensor-parallel size the model cannot be split by.
     """
     parallel = config.parallel
-    if not parallel.enable_expert_parallel:
+    if not parallel.enable_expert_parallel and parallel.tensor_parallel_size == 1:
         return
     try:
         arch = load_model_arch(config.model.model)
     except ModelLoadError:
         return  # not readable here (another node's path): the ranks check it as they start
-    check_expert_parallel(arch, parallel.data_parallel_size)
+    check_tensor_parallel(arch, parallel.tensor_parallel_size)
+    if parallel.enable_expert_parallel:
+        check_expert_parallel(arch, parallel.data_parallel_size)
 
 
 def attach(namespace: str = DEFAULT_NAMESPACE) -> ClusterHandle:

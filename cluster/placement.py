@@ -146,3 +146,15 @@ def live_placement_group_names(namespace: str) -> list[str]:
         for entry in placement_group_table().values()
         if pattern.fullmatch(entry.get("name", "")) and entry.get("state") != "REMOVED"
     )
+
+
+def unplaced_ranks(namespace: str) -> set[int]:
+    """The cluster's ranks whose placement group has no node now: never placed yet (PENDING),
+    or lost with its node and waiting for room elsewhere (RESCHEDULING)."""
+    pattern = re.compile(rf"shoal-{re.escape(namespace)}-rank-(\d+)")
+    return {
+        int(match.group(1))
+        for entry in placement_group_table().values()
+        if (match := pattern.fullmatch(entry.get("name", "")))
+        and entry.get("state") in ("PENDING", "RESCHEDULING")
+    }

@@ -109,10 +109,31 @@ class LaunchOptions:
         )
 
 
-def default_resources() -> RankResources:
-    """One GPU per rank when the cluster has GPUs, else one CPU."""
+def default_resources(tensor_parallel_size: int = 1) -> RankResources:
+    """One GPU per worker of a rank (`tensor_parallel_size` of them) when the cluster has GPUs,
+    else one CPU per worker."""
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    return RankResources(num_cpus=1, num_gpus=1 if has_gpus else 0)
+    if has_gpus:
+        return RankResources(num_cpus=1, num_gpus=tensor_parallel_size)
+    return RankResources(num_cpus=tensor_parallel_size)
+
+
+def check_rank_resources(config: EngineConfig, resources: RankResources) -> None:
+    """Refuses GPUs per rank that do not give each tensor-parallel worker its own GPU.
+
+    A rank's workers are its engine's child processes: they share the one bundle the engine
+    actor reserves, so a rank of N workers reserves N GPUs (none: CPU workers).
+
+    Raises:
+        ValueError: a rank with GPUs and more than one worker whose GPU count is not the TP size.
+    """
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1 and resources.num_gpus and resources.num_gpus != tp:
+        raise ValueError(
+            f"--num-gpus-per-rank {resources.num_gpus:g} conflicts with --tensor-parallel-size "
+            f"{tp}: each of a rank's {tp} workers runs on a GPU of its own (leave "
+            "--num-gpus-per-rank out: it follows)"
+        )
 
 
 def add_ranks(

@@ -1,7 +1,7 @@
 """vLLM's serve flags that shoal has no engine field for: truthful no-ops and one-line refusals.
 
 A vLLM launch script should either work or fail on its first line. Flags whose vLLM meaning
-shoal already has (eager execution, no remote code, no request log, one device per rank) are
+shoal already has (eager execution, no remote code, no request log, every layer on each rank) are
 accepted and say so in `--help`; a flag for something shoal does not do ends the command with
 exit code 2 and one line naming what to do instead, before anything starts. `HelpFormatter`
 shows every flag's default.
@@ -91,17 +91,6 @@ class _Only(_ReasonedAction):
 
 def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
     """The vLLM flags of `shoal serve` that map onto no engine field (see the module doc)."""
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        action=_Only,
-        reason="tensor parallelism is not supported; each rank runs on one device, and "
-        "--data-parallel-size N serves on N of them",
-        help="only 1: each rank holds the whole model on one device (scale out with "
-        "--data-parallel-size)",
-    )
     parser.add_argument(
         "--pipeline-parallel-size",
         "-pp",

@@ -32,6 +32,7 @@ from shoal.cluster.launch import (
     launch,
 )
 from shoal.cluster.placement import RankResources
+from shoal.cluster.ranks import check_rank_resources
 from shoal.deploy.flags import HelpFormatter, add_vllm_compat_args
 from shoal.deploy.openai.generation_config import load_generation_defaults
 from shoal.deploy.openai.server import (
@@ -101,7 +102,8 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
         "--num-gpus-per-rank",
         type=float,
         default=None,
-        help="GPUs each rank reserves (default: 1 if the cluster has GPUs, else 0)",
+        help="GPUs each rank reserves (default: one per --tensor-parallel-size worker if the "
+        "cluster has GPUs, else 0; another value with -tp N > 1 is refused)",
     )
     parser.add_argument(
         "--placement-strategy",
@@ -111,12 +113,17 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def rank_resources(args: argparse.Namespace) -> RankResources:
-    """The reservation of `add_rank_args`' flags (after ray.init: the default looks for GPUs)."""
+def rank_resources(args: argparse.Namespace, tensor_parallel_size: int = 1) -> RankResources:
+    """The reservation of `add_rank_args`' flags (after ray.init: the default looks for GPUs):
+    a rank of N tensor-parallel workers reserves N GPUs, or at least N CPUs without GPUs."""
     num_gpus = args.num_gpus_per_rank
     if num_gpus is None:
-        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    return RankResources(num_cpus=args.num_cpus_per_rank, num_gpus=num_gpus)
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        num_gpus = float(tensor_parallel_size) if has_gpus else 0.0
+    num_cpus = args.num_cpus_per_rank
+    if not num_gpus:
+        num_cpus = max(num_cpus, float(tensor_parallel_size))
+    return RankResources(num_cpus=num_cpus, num_gpus=num_gpus)
 
 
 class _StopSignals:
@@ -174,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_model_here(config.model.model)
         check_launchable(config)
+        if args.num_gpus_per_rank is not None:
+            check_rank_resources(config, RankResources(num_gpus=args.num_gpus_per_rank))
         http_config = None if args.port is None else front_end_config(args, args.port)
         if http_config is not None:  # the front end reads it again as it starts
             load_generation_defaults(http_config.generation_config, config.model.model)
@@ -205,7 +214,7 @@ def _launch_and_serve(
             return 2
         stop.install()  # after ray.init, which installs a SIGTERM handler of its own
         options = LaunchOptions(
-            rank_resources(args),
+            rank_resources(args, config.parallel.tensor_parallel_size),
             args.placement_strategy,
             host=args.data_parallel_address,
             detached=args.detached,

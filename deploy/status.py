@@ -27,10 +27,17 @@ def _hit_rate(load: dict[str, Any]) -> str:
     return f"{100 * load.get('prefix_cache_hits_total', 0) / queries:.1f}%" if queries else "-"
 
 
+def _tensor_parallel(status: dict[str, Any]) -> str:
+    """The TP size and the workers of all ranks (one process per device each)."""
+    tp = status.get("tensor_parallel_size", 1)
+    return f"  TP {tp} ({tp * len(status['ranks'])} workers)" if tp > 1 else ""
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The human-readable `shoal status` table."""
     lines = [
-        f"namespace {status['namespace']}  model {status['model']}  epoch {status['epoch']}",
+        f"namespace {status['namespace']}  model {status['model']}  epoch {status['epoch']}"
+        + _tensor_parallel(status),
         f"served by {status['served_by'] or '-'}"
         + ("  (detached)" if status["detached"] else "")
         + ("  STOPPING" if status["stopping"] else ""),

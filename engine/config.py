@@ -131,9 +131,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Data / expert parallelism across engine ranks."""
+    """Data / expert parallelism across engine ranks, tensor parallelism inside each."""
 
     data_parallel_size: int = field(default=1, metadata=_help("number of engine ranks"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            **_help("devices (CPU: processes) each rank splits the model over, one worker each"),
+            "aliases": ("-tp",),
+        },
+    )
     data_parallel_rank: int = field(default=0, metadata=_help("this engine's rank"))
     enable_expert_parallel: bool = field(
         default=False,
@@ -146,7 +153,8 @@ class ParallelConfig:
         default=30.0,
         metadata=_help(
             "expert parallelism: a collective that waits longer for a peer ends the wave, and "
-            "the ranks restart"
+            "the ranks restart; tensor parallelism: a collective of a rank's workers that waits "
+            "longer ends the rank, which restarts"
         ),
     )
 
@@ -159,6 +167,10 @@ class ParallelConfig:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} is outside "
                 f"[0, {self.data_parallel_size})"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         if not self.collective_timeout_s > 0:
             raise ValueError("collective_timeout_s must be positive")
@@ -217,15 +229,15 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...
         for f in dataclasses.fields(section):
             if f.name == "model" or f.name in skip:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_text = f.metadata.get("help", "")
             default = f.default
             if isinstance(default, bool):
                 parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                    *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
             else:
-                parser.add_argument(flag, type=_cli_type(f.type), default=default, help=help_text)
+                parser.add_argument(*flags, type=_cli_type(f.type), default=default, help=help_text)
 
 
 def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:

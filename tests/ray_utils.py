@@ -8,6 +8,7 @@ machine-wide `ray stop`, which would also end every other Ray instance on the ma
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -89,9 +90,16 @@ class RayHead:
 
 
 def start_ray_head(
-    num_cpus: int = 4, timeout_s: float = 60.0, auth_token: str | None = None
+    num_cpus: int = 4,
+    timeout_s: float = 60.0,
+    auth_token: str | None = None,
+    system_env: dict[str, str] | None = None,
 ) -> RayHead:
     """Runs `ray start --head` on 127.0.0.1 with free ports; returns when the head is up.
+
+    Args:
+        system_env: extra environment for the head's processes (Ray reads its system config
+            from `RAY_<name>` variables: how fast the GCS declares a node dead, say).
 
     Raises:
         RuntimeError: if the head does not start.
@@ -114,8 +122,9 @@ def start_ray_head(
     ]  # fmt: skip
     log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - lives as long as the head
     # `--block` keeps `ray start` as the parent of the group; a new session makes the group ours.
+    env = ray_env(auth_token) | (system_env or {})
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=ray_env(auth_token), start_new_session=True
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     head = RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", temp_dir, proc.pid)
     deadline = time.monotonic() + timeout_s
@@ -130,15 +139,21 @@ def start_ray_head(
     raise RuntimeError(f"ray start --head did not come up:\n{output[-4000:]}")
 
 
-def start_ray_worker(head: RayHead, num_cpus: int) -> int:
-    """Adds a second node to `head`'s cluster on this machine; returns its process group id.
+def start_ray_worker(
+    head: RayHead, num_cpus: int, resources: dict[str, float] | None = None
+) -> int:
+    """Adds a node to `head`'s cluster on this machine; returns its process group id.
 
-    Stop it with `stop_process_group`.
+    Args:
+        resources: custom node resources (`--resources`), to tell simulated nodes apart.
+
+    Stop it with `stop_process_group`, or lose it at once with `kill_process_group`.
     """
     cmd = [
         RAY_BIN, "start", "--block", f"--address={head.gcs_address}",
         "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
         f"--dashboard-agent-listen-port={free_port()}",
+        f"--resources={json.dumps(resources or {})}",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
@@ -173,6 +188,32 @@ def stop_process_group(pgid: int, grace_s: float = 3.0) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=grace_s)
+
+
+def kill_process_group(pgid: int) -> None:
+    """SIGKILLs a process group and every descendant of its members at once: a node lost as a
+    preempted machine is, with no chance to drain or say goodbye."""
+    procs = _group_with_descendants(pgid)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
+
+
+def wait_for_node(resource: str, timeout_s: float = 60.0) -> str:
+    """The id of the alive node that offers the custom `resource`, once the GCS lists it
+    (needs `ray.init` to this cluster).
+
+    Raises:
+        TimeoutError: no such node within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for node in ray.nodes():
+            if node["Alive"] and node["Resources"].get(resource):
+                return str(node["NodeID"])
+        time.sleep(0.2)
+    raise TimeoutError(f"no node with resource {resource!r} joined within {timeout_s:.0f} s")
 
 
 def _group_with_descendants(pgid: int) -> list[psutil.Process]:

@@ -17,7 +17,9 @@ from shoal.engine.loader.builtin import smollm2_gguf_path
 from shoal.engine.loader.gguf_arch import model_arch_from_gguf
 from shoal.engine.loader.hf_config import model_arch_from_hf_dir
 from shoal.engine.loader.safetensors_loader import (
+    LazyTensor,
     SafetensorsReader,
+    iter_lazy_safetensors_weights,
     iter_safetensors_weights,
     weight_files,
 )
@@ -29,9 +31,11 @@ if TYPE_CHECKING:
     from shoal.engine.kernels.quant_matmul import QuantizedWeight
 
 __all__ = [
+    "LazyTensor",
     "SafetensorsReader",
     "is_gguf_path",
     "load_blocks",
+    "load_lazy_weights",
     "load_model_arch",
     "load_weights",
     "smollm2_gguf_path",
@@ -106,6 +110,20 @@ def load_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     model_dir = _checkpoint_dir(path)
     weight_files(model_dir)  # fail before the first tensor, not after some were consumed
     return iter_safetensors_weights(model_dir)
+
+
+def load_lazy_weights(path: str) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """As `load_weights`, but a safetensors checkpoint's tensors come unread (`LazyTensor`):
+    a consumer reads only the block it holds, or nothing. GGUF tensors come dequantized.
+
+    Raises:
+        ModelLoadError: as `load_weights`.
+    """
+    if is_gguf_path(path):
+        return load_weights(path)
+    model_dir = _checkpoint_dir(path)
+    weight_files(model_dir)
+    return iter_lazy_safetensors_weights(model_dir)
 
 
 def load_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]] | None:

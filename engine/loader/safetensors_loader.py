@@ -1,8 +1,10 @@
 """Weights of a Hugging Face checkpoint directory: one model.safetensors or indexed shards.
 
 Finds and validates the weight files, then streams `(name, tensor)` pairs under the names the
-checkpoint stores, in its stored dtype; `SafetensorsReader` reads chosen tensors (or one row of
-one) by name instead. It does not know which model consumes them.
+checkpoint stores, in its stored dtype — read whole, or (`iter_lazy_safetensors_weights`) as
+`LazyTensor`s of which a consumer reads only the block it holds (a tensor-parallel shard) or
+nothing; `SafetensorsReader` reads chosen tensors (or one row of one) by name instead. It does
+not know which model consumes them.
 """
 
 from __future__ import annotations
@@ -74,7 +76,48 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
         yield from _iter_file(file, expected)
 
 
-def _iter_file(file: Path, expected: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_lazy_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """Every tensor of the checkpoint as a `LazyTensor`, valid until the iteration moves on.
+
+    Raises:
+        ModelLoadError: as `iter_safetensors_weights`.
+    """
+    files, weight_map = weight_files(model_dir)
+    for file in files:
+        expected = None
+        if weight_map is not None:
+            expected = {name for name, shard in weight_map.items() if shard == file.name}
+        yield from _iter_file(file, expected, lazy=True)
+
+
+class LazyTensor:
+    """One stored tensor, unread: its shape, then a read of all of it or of one block.
+
+    Args:
+        name: the tensor's name, for errors.
+        file: the file it is in, for errors.
+        view: the safetensors slice handle (valid while its file is open).
+    """
+
+    def __init__(self, name: str, file: Path, view: Any) -> None:
+        self.name, self.file, self._view = name, file, view
+        self.shape = tuple(view.get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self.read_block(0, 0, self.shape[0]) if self.shape else self._view[:]
+
+    def read_block(self, dim: int, start: int, size: int) -> torch.Tensor:
+        """Rows `[start, start + size)` of dimension `dim` only (the rest stays on disk)."""
+        index = tuple([slice(None)] * dim + [slice(start, start + size)])
+        try:
+            return self._view[index]
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{self.file}: cannot read {self.name} ({exc})") from exc
+
+
+def _iter_file(
+    file: Path, expected: set[str] | None, *, lazy: bool = False
+) -> Iterator[tuple[str, Any]]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             names = list(handle.keys())
@@ -85,7 +128,10 @@ def _iter_file(file: Path, expected: set[str] | None) -> Iterator[tuple[str, tor
                     "does not hold them"
                 )
             for name in names:
-                yield name, handle.get_tensor(name)
+                if lazy:
+                    yield name, LazyTensor(name, file, handle.get_slice(name))
+                else:
+                    yield name, handle.get_tensor(name)
     except SafetensorError as exc:
         raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({exc})") from exc
     except OSError as exc:

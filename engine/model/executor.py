@@ -4,18 +4,19 @@
 a scheduled step, and `collective_rpc` (one call on every worker, one result per worker). How
 many workers there are and where they live is the executor's business, so executors with
 several workers (tensor parallelism: one per device, in other processes) fit behind the same
-interface without touching the engine core. One executor is built today: `UniProcExecutor`,
-one worker in the engine's own process.
+interface without touching the engine core. Two are built: `UniProcExecutor`, one worker in
+the engine's own process, and `MultiprocExecutor` (`shoal.engine.model.multiproc_executor`),
+one worker per device of a tensor-parallel rank.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.model.executor_base import Executor
 from shoal.engine.model.worker import Worker
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.expert_parallel import (
@@ -23,46 +24,8 @@ from shoal.engine.parallel.expert_parallel import (
     ExpertPlacement,
     check_expert_parallel,
 )
+from shoal.engine.parallel.tensor_parallel import check_tensor_parallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-
-
-class Executor(ABC):
-    """The engine core's one handle on its workers."""
-
-    # This rank's expert-parallel context (MoE under --enable-expert-parallel), else None.
-    expert_parallel: ExpertParallel | None = None
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """The device of the worker whose outputs the engine core reads (the driver worker)."""
-
-    @abstractmethod
-    def load_model(self) -> None:
-        """Every worker loads its weights."""
-
-    @abstractmethod
-    def determine_num_blocks(self) -> int:
-        """KV blocks every worker can hold (the minimum over workers)."""
-
-    @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Every worker allocates `num_blocks` KV blocks."""
-
-    @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step on every worker; returns the driver worker's sampled tokens."""
-
-    @abstractmethod
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        """Calls a public model-runner method on every worker; one result per worker.
-
-        Raises:
-            AttributeError: the runner has no such public method.
-        """
-
-    def shutdown(self) -> None:  # noqa: B027 - a no-op is right for executors with no processes
-        """Releases the workers (processes, devices); idempotent."""
 
 
 class UniProcExecutor(Executor):
@@ -101,8 +64,24 @@ class UniProcExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> Executor:
-    """The executor for `config`: today always one in-process worker."""
-    return UniProcExecutor(config, arch, max_model_len=max_model_len)
+    """The executor for `config`: one in-process worker, or one per device under TP.
+
+    Raises:
+        ValueError: a TP size the model cannot be split by (before any process starts), or
+            tensor parallelism together with expert parallelism (not built).
+    """
+    tp = config.parallel.tensor_parallel_size
+    check_tensor_parallel(arch, tp)
+    if tp == 1:
+        return UniProcExecutor(config, arch, max_model_len=max_model_len)
+    if config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            "tensor parallelism inside expert-parallel ranks is not supported; use "
+            "tensor_parallel_size 1 with enable_expert_parallel"
+        )
+    from shoal.engine.model.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, arch, max_model_len=max_model_len)
 
 
 def make_expert_parallel(config: EngineConfig, arch: ModelArch) -> ExpertParallel | None:

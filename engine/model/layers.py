@@ -1,5 +1,6 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, the SiLU-gated MLP,
-and the name -> tensor map that loads HF-named checkpoint tensors into (possibly fused) params.
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, the SiLU-gated MLP
+(tensor-parallel when given a `TensorParallel`), and the name -> tensor map that loads HF-named
+checkpoint tensors into (possibly fused, possibly narrowed) params.
 
 Knows nothing about requests, the KV cache or the scheduler.
 """
@@ -17,6 +18,8 @@ from torch import nn
 
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, QuantMatmulKernel
+from shoal.engine.loader import LazyTensor
+from shoal.engine.parallel.tensor_parallel import SINGLE, Shard, TensorParallel
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -281,22 +284,37 @@ class FeedForward(nn.Module):
 
 
 class GatedMLP(FeedForward):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection.
+
+    Under tensor parallelism gate/up are column-parallel and down row-parallel: each worker
+    holds a block of the width I and its partial outputs are summed by one all-reduce.
+    """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        tp: TensorParallel = SINGLE,
+        dtype: torch.dtype,
+        device: torch.device,
     ):
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.width_shard = tp.shard(intermediate_size)
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = self.width_shard.size
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, **kw)
-        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+        self.gate_up_proj = Linear(hidden_size, 2 * self.intermediate_size, **kw)
+        self.down_proj = Linear(self.intermediate_size, hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(silu_and_mul(gate_up, self.intermediate_size))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(gate_up, self.intermediate_size)))
 
     def block_slots(self, layer_prefix: str) -> BlockSlots:
+        if self.tp.size > 1:  # GGUF blocks are whole rows of the full weight: dense shards only
+            return {}
         prefix = f"{layer_prefix}.mlp"
         gate_up, down = self.gate_up_proj, self.down_proj
         return {
@@ -306,13 +324,16 @@ class GatedMLP(FeedForward):
         }
 
     def weight_map(self, layer_prefix: str) -> WeightMap:
-        """HF names under `{layer_prefix}.mlp`."""
+        """HF names under `{layer_prefix}.mlp`, each narrowed to this worker's block."""
         size, prefix = self.intermediate_size, f"{layer_prefix}.mlp"
+        hidden, full = self.down_proj.out_features, self.full_intermediate_size
+        shard = self.width_shard
         gate_up = self.gate_up_proj.weight
         wm = WeightMap()
-        wm.add(f"{prefix}.gate_proj.weight", gate_up[:size])
-        wm.add(f"{prefix}.up_proj.weight", gate_up[size:])
-        wm.add(f"{prefix}.down_proj.weight", self.down_proj.weight)
+        wm.add(f"{prefix}.gate_proj.weight", gate_up[:size], shape=(full, hidden), block=(0, shard))
+        wm.add(f"{prefix}.up_proj.weight", gate_up[size:], shape=(full, hidden), block=(0, shard))
+        down = self.down_proj.weight
+        wm.add(f"{prefix}.down_proj.weight", down, shape=(hidden, full), block=(1, shard))
         return wm
 
 
@@ -331,6 +352,7 @@ class _Entry:
     shape: tuple[int, ...]
     select: Callable[[torch.Tensor], torch.Tensor] | None
     covers: tuple[str, ...]  # required names this tensor satisfies (itself when empty)
+    block: tuple[int, Shard] | None = None  # (dim, shard): the only part read and copied
 
 
 @dataclass
@@ -338,7 +360,9 @@ class WeightMap:
     """HF tensor name -> where its data goes (a param or a slice of a fused param).
 
     `required` names must all be covered after loading. An alias (e.g. a fused expert tensor)
-    covers the required names it replaces, so a checkpoint may use either spelling.
+    covers the required names it replaces, so a checkpoint may use either spelling. An entry
+    with a `block` (a tensor-parallel shard) takes only that block of the checkpoint's tensor,
+    and reads only that block from a `LazyTensor`; one without a destination reads nothing.
     """
 
     entries: dict[str, _Entry] = field(default_factory=dict)
@@ -353,11 +377,12 @@ class WeightMap:
         select: Callable[[torch.Tensor], torch.Tensor] | None = None,
         covers: tuple[str, ...] = (),
         required: bool = True,
+        block: tuple[int, Shard] | None = None,
     ) -> None:
         if shape is None:
             assert dest is not None, f"{name}: a skipped tensor needs an explicit shape"
             shape = tuple(dest.shape)
-        self.entries[name] = _Entry(dest, shape, select, covers)
+        self.entries[name] = _Entry(dest, shape, select, covers, block)
         if required:
             self.required.add(name)
 
@@ -365,11 +390,13 @@ class WeightMap:
         self.entries.update(other.entries)
         self.required |= other.required
 
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, skip: set[str]) -> None:
+    def load(
+        self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]], *, skip: set[str]
+    ) -> None:
         """Copies every tensor into place (casting dtype), then checks that nothing is missing.
 
         Args:
-            weights: (HF name, tensor) pairs.
+            weights: (HF name, tensor or unread tensor) pairs.
             skip: names that are accepted and ignored (e.g. a tied lm_head).
 
         Raises:
@@ -390,11 +417,20 @@ class WeightMap:
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {entry.shape}"
                     )
                 if entry.dest is not None:
-                    src = entry.select(tensor) if entry.select is not None else tensor
-                    entry.dest.copy_(src)
+                    src = _read(tensor, entry.block)
+                    entry.dest.copy_(entry.select(src) if entry.select is not None else src)
                 covered.update(entry.covers or (name,))
         missing = sorted(self.required - covered)
         if missing:
             shown = ", ".join(f"{n} {self.entries[n].shape}" for n in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}{more}")
+
+
+def _read(tensor: torch.Tensor | LazyTensor, block: tuple[int, Shard] | None) -> torch.Tensor:
+    if block is None:
+        return tensor.read() if isinstance(tensor, LazyTensor) else tensor
+    dim, shard = block
+    if isinstance(tensor, LazyTensor):
+        return tensor.read_block(dim, shard.start, shard.size)
+    return shard.narrow(tensor, dim)

@@ -3,6 +3,10 @@
 Inputs are one [num_tokens] batch of mixed prefill and decode tokens (no padding); attention
 reads the cache through `AttentionMetadata`. Weights arrive under HF state_dict names and are
 fused on load (q/k/v into one projection, gate/up into one). Qwen2 is Llama with q/k/v biases.
+
+Under tensor parallelism (`shoal.engine.parallel.tensor_parallel`) each worker builds the model
+at its own shard's sizes (its query and KV heads, its MLP width, its vocabulary block) and the
+weight maps narrow every checkpoint tensor to that shard as it is copied in.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, QuantMatmulKernel
+from shoal.engine.loader import LazyTensor
 from shoal.engine.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -35,31 +40,44 @@ from shoal.engine.model.layers import (
     empty_param,
 )
 from shoal.engine.model_arch import ModelArch
+from shoal.engine.parallel.tensor_parallel import SINGLE, Shard, TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, rotary embedding, paged attention and the output projection."""
+    """Fused qkv projection, rotary embedding, paged attention and the output projection.
+
+    Under tensor parallelism qkv is column-parallel (this worker's query heads and KV heads) and
+    o_proj row-parallel, summed by an all-reduce; an o_proj bias is added by worker 0 only.
+    """
 
     def __init__(
         self,
         arch: ModelArch,
         backend: AttentionBackend[Any],
         *,
+        tp: TensorParallel = SINGLE,
         qkv_bias: bool,
         o_bias: bool,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.tp = tp
         self.head_dim = arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_rows = tp.shard(arch.num_attention_heads * self.head_dim)
+        kv_heads = tp.kv_head_shard(arch.num_key_value_heads)
+        self.kv_rows = Shard(kv_heads.start * self.head_dim, kv_heads.size * self.head_dim)
+        self.full_q_size = arch.num_attention_heads * self.head_dim
+        self.full_kv_size = arch.num_key_value_heads * self.head_dim
+        self.num_heads = arch.num_attention_heads // tp.size
+        self.num_kv_heads = kv_heads.size
+        self.q_size = self.q_rows.size
+        self.kv_size = self.kv_rows.size
+        self.has_o_bias = o_bias
         qkv_size = self.q_size + 2 * self.kv_size
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.qkv_proj = Linear(arch.hidden_size, qkv_size, bias=qkv_bias, **kw)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=o_bias, **kw)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=o_bias and tp.is_driver, **kw)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, rope: RopeAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -69,9 +87,11 @@ class LlamaAttention(nn.Module):
         qk = rope.rotate_(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta)))
 
     def block_slots(self, layer_prefix: str) -> BlockSlots:
+        if self.tp.size > 1:  # GGUF blocks are whole rows of the full weight: dense shards only
+            return {}
         prefix = f"{layer_prefix}.self_attn"
         slots: BlockSlots = {
             f"{prefix}.{name}_proj.weight": (self.qkv_proj, i, 3) for i, name in enumerate("qkv")
@@ -80,19 +100,28 @@ class LlamaAttention(nn.Module):
         return slots
 
     def weight_map(self, layer_prefix: str) -> WeightMap:
-        """HF names under `{layer_prefix}.self_attn`."""
+        """HF names under `{layer_prefix}.self_attn`, each narrowed to this worker's heads."""
         prefix = f"{layer_prefix}.self_attn"
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        bounds = {"q": (0, q_end), "k": (q_end, k_end), "v": (k_end, k_end + self.kv_size)}
+        q, kv, full_q, full_kv = self.q_rows, self.kv_rows, self.full_q_size, self.full_kv_size
+        parts = {
+            "q": (0, q_end, q, full_q),
+            "k": (q_end, k_end, kv, full_kv),
+            "v": (k_end, k_end + self.kv_size, kv, full_kv),
+        }
         qkv, o = self.qkv_proj, self.o_proj
+        hidden = o.out_features
         wm = WeightMap()
-        for name, (lo, hi) in bounds.items():
-            wm.add(f"{prefix}.{name}_proj.weight", qkv.weight[lo:hi])
+        for name, (lo, hi, rows, full) in parts.items():
+            weight = f"{prefix}.{name}_proj.weight"
+            wm.add(weight, qkv.weight[lo:hi], shape=(full, hidden), block=(0, rows))
             if qkv.bias is not None:
-                wm.add(f"{prefix}.{name}_proj.bias", qkv.bias[lo:hi])
-        wm.add(f"{prefix}.o_proj.weight", o.weight)
-        if o.bias is not None:
-            wm.add(f"{prefix}.o_proj.bias", o.bias)
+                wm.add(
+                    f"{prefix}.{name}_proj.bias", qkv.bias[lo:hi], shape=(full,), block=(0, rows)
+                )
+        wm.add(f"{prefix}.o_proj.weight", o.weight, shape=(hidden, full_q), block=(1, q))
+        if self.has_o_bias:  # summed once: held by worker 0, accepted and dropped by the others
+            wm.add(f"{prefix}.o_proj.bias", o.bias, shape=(hidden,))
         return wm
 
 
@@ -145,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
         device: where parameters live.
         attention_backend: the paged attention every layer runs (the model runner's choice);
             default: the device's default backend.
+        tensor_parallel: this worker's place in its rank's TP group; default: the whole model.
     """
 
     def __init__(
@@ -155,12 +185,17 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: AttentionBackend[Any] | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
         super().__init__()
         device = torch.device(device)
         self.arch = arch
+        self.tp = tp = tensor_parallel or SINGLE
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, **kw)
+        # Vocabulary-parallel: this worker's block of rows, padded rows zero (never looked up).
+        self.vocab_rows, padded_vocab = tp.vocab_shard(arch.vocab_size)
+        self.embed_tokens = empty_param(padded_vocab, arch.hidden_size, **kw)
+        self.embed_tokens.data[self.vocab_rows.size :].zero_()
         self.rotary = RotaryEmbedding(
             arch.head_dim,
             max_position or arch.max_position_embeddings,
@@ -173,8 +208,8 @@ class LlamaForCausalLM(nn.Module):
                 None,
                 device=device,
                 dtype=dtype,
-                num_heads=arch.num_attention_heads,
-                num_kv_heads=arch.num_key_value_heads,
+                num_heads=arch.num_attention_heads // tp.size,
+                num_kv_heads=tp.kv_head_shard(arch.num_key_value_heads).size,
                 head_dim=arch.head_dim,
             )
         self.attention_backend = attention_backend
@@ -182,16 +217,20 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 arch,
-                LlamaAttention(arch, attention_backend, qkv_bias=qkv_bias, o_bias=o_bias, **kw),
+                LlamaAttention(
+                    arch, attention_backend, tp=tp, qkv_bias=qkv_bias, o_bias=o_bias, **kw
+                ),
                 self._make_mlp(arch, dtype=dtype, device=device),
                 **kw,
             )
             for _ in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, **kw)
+        self.lm_head = Linear(arch.hidden_size, padded_vocab, **kw)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
+        else:
+            self.lm_head.weight.data[self.vocab_rows.size :].zero_()
 
     @staticmethod
     def _attention_biases(arch: ModelArch) -> tuple[bool, bool]:
@@ -201,22 +240,36 @@ class LlamaForCausalLM(nn.Module):
     def _make_mlp(
         self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     ) -> FeedForward:
-        return GatedMLP(arch.hidden_size, arch.intermediate_size, dtype=dtype, device=device)
+        return GatedMLP(
+            arch.hidden_size, arch.intermediate_size, tp=self.tp, dtype=dtype, device=device
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm, for a flat token batch."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         residual: torch.Tensor | None = None
         rope = self.rotary(positions)
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_rows.start
+        is_held = (local >= 0) & (local < self.vocab_rows.size)
+        hidden = F.embedding(torch.where(is_held, local, 0), self.embed_tokens)
+        return self.tp.all_reduce(hidden.masked_fill_(~is_held[:, None], 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] for the given rows of hidden states only."""
-        return self.lm_head(hidden)
+        """Logits [n, vocab] for the given rows of hidden states only (every worker of a TP
+        group calls it: the vocabulary blocks are gathered)."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]
 
     def bind_kv_cache(self, kv_caches: Sequence[torch.Tensor]) -> None:
         """Gives each layer its slice of the KV pool ([2, KVH, blocks, block_size, D] each)."""
@@ -226,18 +279,22 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_map(self) -> WeightMap:
         wm = WeightMap()
-        wm.add("model.embed_tokens.weight", self.embed_tokens)
+        rows, held = self.vocab_rows, self.vocab_rows.size
+        shape = (self.arch.vocab_size, self.arch.hidden_size)
+        wm.add("model.embed_tokens.weight", self.embed_tokens[:held], shape=shape, block=(0, rows))
         for i, layer in enumerate(self.layers):
             wm.update(cast(DecoderLayer, layer).weight_map(f"model.layers.{i}"))
         wm.add("model.norm.weight", self.norm.weight)
         if not self.arch.tie_word_embeddings:
-            wm.add("lm_head.weight", self.lm_head.weight)
+            wm.add("lm_head.weight", self.lm_head.weight[:held], shape=shape, block=(0, rows))
         return wm
 
     def block_slots(self) -> BlockSlots:
         """Where a GGUF checkpoint's blocks can serve (`Linear.use_blocks`): the attention and
         dense MLP projections, and the LM head (the embedding's blocks when tied)."""
         slots: BlockSlots = {}
+        if self.tp.size > 1:  # GGUF blocks are whole rows of the full weight: dense shards only
+            return slots
         for i, layer in enumerate(self.layers):
             decoder = cast(DecoderLayer, layer)
             slots.update(decoder.self_attn.block_slots(f"model.layers.{i}"))
@@ -257,8 +314,9 @@ class LlamaForCausalLM(nn.Module):
         """
         return assign_blocks(self.block_slots(), blocks, kernel)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads HF-named tensors (any dtype; cast on copy).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
+        """Loads HF-named tensors (any dtype; cast on copy), reading only this worker's shard
+        of unread ones.
 
         Raises:
             ModelLoadError: for an unknown name, a shape mismatch or a missing tensor.

@@ -4,7 +4,9 @@ Each expert runs only over the tokens routed to it (index_select / index_add). `
 holds any subset of the experts (a rank's share under expert parallelism); with an
 `ExpertParallel` context, `MixtralMoE` runs its router and local experts over every rank's
 tokens through the exchange (`shoal.engine.parallel.expert_parallel`), which sums the ranks' shares. At
-a resize, `MixtralExperts.stage` / `commit` re-shard a layer to another set of experts.
+a resize, `MixtralExperts.stage` / `commit` re-shard a layer to another set of experts. Under
+tensor parallelism every worker holds a block of each expert's width (gate/up column-parallel,
+down row-parallel) and the layer's output is summed by one all-reduce; the router is replicated.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shoal.engine.model.layers import (
 from shoal.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.expert_parallel import ExpertParallel, StagedLayerExperts
+from shoal.engine.parallel.tensor_parallel import Shard, TensorParallel
 
 
 class MixtralExperts(nn.Module):
@@ -42,6 +45,7 @@ class MixtralExperts(nn.Module):
         hidden_size: model width.
         intermediate_size: each expert's width.
         expert_ids: the experts held here (default: all).
+        width_shard: the block of each expert's width held here (default: all of it).
     """
 
     def __init__(
@@ -51,10 +55,14 @@ class MixtralExperts(nn.Module):
         intermediate_size: int,
         *,
         expert_ids: Sequence[int] | None = None,
+        width_shard: Shard | None = None,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
+        self.width_shard = width_shard or Shard(0, intermediate_size)
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = self.width_shard.size
         self.num_experts = num_experts
         self.expert_ids = list(range(num_experts)) if expert_ids is None else sorted(expert_ids)
         assert self.expert_ids, "an experts module holds at least one expert"
@@ -180,40 +188,43 @@ class MixtralExperts(nn.Module):
     def _read_expert(
         self, expert: int, prefix: str, reader: SafetensorsReader
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert from the checkpoint, in this dtype."""
-        size, hidden = self.intermediate_size, self.hidden_size
+        """(gate_up [2I, H], down [H, I]) of one expert's width block, in this dtype."""
+        size, hidden, shard = self.full_intermediate_size, self.hidden_size, self.width_shard
         base = f"{prefix}.block_sparse_moe.experts.{expert}"
         fused = f"{prefix}.mlp.experts"
         if f"{base}.w1.weight" in reader:
             gate = _checked(reader, f"{base}.w1.weight", (size, hidden))
             up = _checked(reader, f"{base}.w3.weight", (size, hidden))
-            gate_up = torch.cat([gate, up])
             down = _checked(reader, f"{base}.w2.weight", (hidden, size))
         elif f"{fused}.gate_up_proj" in reader:
             gate_up = _checked(reader, f"{fused}.gate_up_proj", (2 * size, hidden), expert)
+            gate, up = gate_up[:size], gate_up[size:]
             down = _checked(reader, f"{fused}.down_proj", (hidden, size), expert)
         else:
             raise ModelLoadError(f"the checkpoint has no weights of expert {expert} in {prefix}")
+        gate_up = torch.cat([shard.narrow(gate), shard.narrow(up)])
         kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
-        return gate_up.to(**kw), down.to(**kw)
+        return gate_up.to(**kw), shard.narrow(down, 1).to(**kw)
 
     def weight_map(self, prefix: str) -> WeightMap:
         """Per-expert names `{prefix}.block_sparse_moe.experts.{e}.w1|w2|w3.weight` (saved
         checkpoints) or fused `{prefix}.mlp.experts.gate_up_proj|down_proj` (transformers 5
-        state_dict). Experts outside the local range are accepted and dropped."""
-        size, hidden = self.intermediate_size, self.hidden_size
+        state_dict). Experts outside the local range are accepted and dropped; each held one is
+        narrowed to this worker's width block."""
+        size, hidden = self.full_intermediate_size, self.hidden_size
+        local_size, shard = self.intermediate_size, self.width_shard
         local_of = {e: i for i, e in enumerate(self.expert_ids)}
         wm = WeightMap()
         w13_names, w2_names = [], []
         for e in range(self.num_experts):
             local = local_of.get(e)
             base = f"{prefix}.block_sparse_moe.experts.{e}"
-            w1 = self.w13[local, :size] if local is not None else None
-            w3 = self.w13[local, size:] if local is not None else None
+            w1 = self.w13[local, :local_size] if local is not None else None
+            w3 = self.w13[local, local_size:] if local is not None else None
             w2 = self.w2[local] if local is not None else None
-            wm.add(f"{base}.w1.weight", w1, shape=(size, hidden))
-            wm.add(f"{base}.w3.weight", w3, shape=(size, hidden))
-            wm.add(f"{base}.w2.weight", w2, shape=(hidden, size))
+            wm.add(f"{base}.w1.weight", w1, shape=(size, hidden), block=(0, shard))
+            wm.add(f"{base}.w3.weight", w3, shape=(size, hidden), block=(0, shard))
+            wm.add(f"{base}.w2.weight", w2, shape=(hidden, size), block=(1, shard))
             w13_names += [f"{base}.w1.weight", f"{base}.w3.weight"]
             w2_names.append(f"{base}.w2.weight")
         held = torch.tensor(self.expert_ids)
@@ -221,7 +232,7 @@ class MixtralExperts(nn.Module):
             f"{prefix}.mlp.experts.gate_up_proj",
             self.w13,
             shape=(self.num_experts, 2 * size, hidden),
-            select=lambda t: t.index_select(0, held.to(t.device)),
+            select=lambda t: _narrow_gate_up(t.index_select(0, held.to(t.device)), shard, size),
             covers=tuple(w13_names),
             required=False,
         )
@@ -229,11 +240,16 @@ class MixtralExperts(nn.Module):
             f"{prefix}.mlp.experts.down_proj",
             self.w2,
             shape=(self.num_experts, hidden, size),
-            select=lambda t: t.index_select(0, held.to(t.device)),
+            select=lambda t: shard.narrow(t.index_select(0, held.to(t.device)), 2),
             covers=tuple(w2_names),
             required=False,
         )
         return wm
+
+
+def _narrow_gate_up(gate_up: torch.Tensor, shard: Shard, size: int) -> torch.Tensor:
+    """[E, 2I, H] fused gate/up -> [E, 2 * shard, H]: the shard's rows of gate, then of up."""
+    return torch.cat([shard.narrow(gate_up[:, :size], 1), shard.narrow(gate_up[:, size:], 1)], 1)
 
 
 def _checked(
@@ -252,17 +268,20 @@ def _pack_pair(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, t
 
 class MixtralMoE(FeedForward):
     """Router (softmax, top-k, renormalise: HF Mixtral's order, in float32) plus the experts;
-    across the ranks' tokens when an `ExpertParallel` context is given."""
+    across the ranks' tokens when an `ExpertParallel` context is given, summed over the TP
+    group's width blocks when a `TensorParallel` one is."""
 
     def __init__(
         self,
         arch: ModelArch,
         *,
         expert_parallel: ExpertParallel | None = None,
+        tp: TensorParallel | None = None,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
+        self.tp = tp
         self.top_k = arch.num_experts_per_tok
         self.expert_parallel = expert_parallel
         expert_ids = expert_parallel.local_expert_ids if expert_parallel is not None else None
@@ -272,6 +291,7 @@ class MixtralMoE(FeedForward):
             arch.hidden_size,
             arch.intermediate_size,
             expert_ids=expert_ids,
+            width_shard=tp.shard(arch.intermediate_size) if tp is not None else None,
             dtype=dtype,
             device=device,
         )
@@ -282,8 +302,10 @@ class MixtralMoE(FeedForward):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel is None:
-            return self.route_and_compute(x)
-        return self.expert_parallel.exchange(x, self.route_and_compute)
+            out = self.route_and_compute(x)
+        else:
+            out = self.expert_parallel.exchange(x, self.route_and_compute)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def route_and_compute(self, x: torch.Tensor) -> torch.Tensor:
         """This module's experts' share of the MoE output for tokens `x`."""
@@ -330,6 +352,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: AttentionBackend[Any] | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
         assert arch.is_moe, "MixtralForCausalLM needs num_local_experts > 0"
         self.expert_parallel = expert_parallel
@@ -341,6 +364,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
+            tensor_parallel=tensor_parallel,
         )
         for i, layer in enumerate(self.layers):
             # The prefix `LlamaForCausalLM.weight_map` gives layer i, for re-staging experts.
@@ -349,7 +373,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def _make_mlp(
         self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device
     ) -> FeedForward:
-        return MixtralMoE(arch, expert_parallel=self.expert_parallel, dtype=dtype, device=device)
+        return MixtralMoE(
+            arch, expert_parallel=self.expert_parallel, tp=self.tp, dtype=dtype, device=device
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

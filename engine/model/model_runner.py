@@ -1,15 +1,17 @@
 """`ModelRunner`: owns the model, the KV block pool and the sampler, and runs one engine step.
 
 Each step flattens the scheduled tokens of all requests (decodes first, longest context first,
-then prefill chunks) into one batch, runs a single forward over it, and samples only for the
-requests whose chunk reaches their last token. It reads requests but never changes them; the
-scheduler owns all state changes.
+then prefill chunks) into one batch (`StepInput`), runs a single forward over it, and samples
+only for the requests whose chunk reaches their last token. It reads requests but never changes
+them; the scheduler owns all state changes. Under tensor parallelism every worker of the rank
+runs the same `StepInput` over its shard; only the driver's runner samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ from torch.profiler import record_function
 
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, load_quant_kernel
+from shoal.engine.loader import LazyTensor
 from shoal.engine.model.attention import (
     AttentionBatch,
     AttentionMetadata,
@@ -25,9 +28,12 @@ from shoal.engine.model.attention import (
 from shoal.engine.model.layers import can_pack_weights
 from shoal.engine.model.registry import LlamaForCausalLM, get_model_class
 from shoal.engine.model.sampler import Sampler
+from shoal.engine.model.step_input import StepInput, plan_step
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.expert_parallel import ExpertParallel
-from shoal.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from shoal.engine.parallel.tensor_parallel import SINGLE, TensorParallel
+from shoal.engine.request import Request
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.structured_output import fill_bitmasks
 
 _CPU_KV_CACHE_BYTES = 1 << 30
@@ -78,6 +84,7 @@ class ModelRunner:
         max_model_len: longest sequence served (sizes the rotary table).
         device: "cpu", "cuda", "cuda:N" or "auto"; default: `model_config.device`.
         expert_parallel: this rank's share of an MoE model's experts and their exchange.
+        tensor_parallel: this worker's place in its rank's TP group; default: the whole model.
     """
 
     def __init__(
@@ -90,9 +97,12 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str | None = None,
         expert_parallel: ExpertParallel | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ):
         self.arch = arch
         self.expert_parallel = expert_parallel
+        self.tp = tensor_parallel or SINGLE
+        self.num_kv_heads = self.tp.kv_head_shard(arch.num_key_value_heads).size
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.device = resolve_device(model_config.device if device is None else device)
@@ -108,8 +118,8 @@ class ModelRunner:
             model_config.attention_backend,
             device=self.device,
             dtype=self.dtype,
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
+            num_heads=arch.num_attention_heads // self.tp.size,
+            num_kv_heads=self.num_kv_heads,
             head_dim=arch.head_dim,
         )
         # Persistent host buffers: a step writes its inputs here instead of allocating.
@@ -117,13 +127,13 @@ class ModelRunner:
 
     def load_model(
         self,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
         blocks: Iterable[tuple[str, QuantizedWeight]] | None = None,
     ) -> None:
         """Builds the model for `arch` and loads HF-named tensors into it.
 
         Args:
-            weights: (HF name, tensor) pairs.
+            weights: (HF name, tensor or unread tensor) pairs.
             blocks: a GGUF checkpoint's quantized projections; on CPU in float32, steps of
                 few rows compute from them (`shoal.engine.kernels.quant_matmul`), when the
                 kernel can be built.
@@ -132,7 +142,11 @@ class ModelRunner:
             ModelLoadError: unsupported architecture, unknown / missing tensor, shape mismatch.
         """
         model_cls = get_model_class(self.arch.architecture)
-        extra = {} if self.expert_parallel is None else {"expert_parallel": self.expert_parallel}
+        extra: dict[str, Any] = {}
+        if self.expert_parallel is not None:
+            extra["expert_parallel"] = self.expert_parallel
+        if self.tp.size > 1:
+            extra["tensor_parallel"] = self.tp
         model = model_cls(
             self.arch,
             max_position=self.max_model_len,
@@ -141,7 +155,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             **extra,
         )
-        model.load_weights(weights)
+        model.load_weights(weights)  # each projection narrowed to this worker's shard
         if can_pack_weights(self.device, self.dtype):
             model.pack_weights()
         if blocks is not None and self.device.type == "cpu" and self.dtype == torch.float32:
@@ -153,9 +167,16 @@ class ModelRunner:
             self._bind_kv_cache()
 
     def bytes_per_block(self) -> int:
-        """KV bytes of one block across all layers."""
+        """KV bytes of one block across all layers (this worker's KV heads only)."""
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return self.block_size * self.arch.kv_bytes_per_token(dtype_bytes)
+        per_token = 2 * self.arch.num_hidden_layers * self.num_kv_heads * self.arch.head_dim
+        return self.block_size * per_token * dtype_bytes
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the weights this worker holds (packed copies counted as their dense size)."""
+        assert self.model is not None, "load_model first"
+        held = {id(t): t for t in self.model.parameters()}
+        return sum(t.numel() * t.element_size() for t in held.values()) + _packed_bytes(self.model)
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the budget: the override, else the byte budget / bytes per block.
@@ -192,7 +213,7 @@ class ModelRunner:
         shape = (
             arch.num_hidden_layers,
             2,
-            arch.num_key_value_heads,
+            self.num_kv_heads,
             num_blocks,
             self.block_size,
             arch.head_dim,
@@ -206,7 +227,6 @@ class ModelRunner:
         assert self.model is not None and self.kv_cache is not None
         self.model.bind_kv_cache(list(self.kv_cache.unbind(0)))
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: KV for every scheduled token, a token for every request that samples.
 
@@ -216,29 +236,44 @@ class ModelRunner:
         Returns:
             The sampled token (and logprobs, where asked) per sampling request id.
         """
-        assert self.model is not None, "load_model first"
-        assert self.kv_cache is not None, "initialize_kv_cache first"
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        batch = _order_batch(scheduler_output.scheduled)
+        step, samplers = plan_step(scheduler_output, self.block_size)
+        return self.execute_step(step, samplers)
+
+    @torch.inference_mode()
+    def execute_step(
+        self, step: StepInput, samplers: Sequence[Request] | None
+    ) -> ModelRunnerOutput:
+        """Runs one planned step (`plan_step`).
+
+        Args:
+            step: the batch; not empty.
+            samplers: the requests of `step.sample_rows`, in order; None on a TP worker that is
+                not the driver: it joins the forward's and the logits' collectives, samples
+                nothing and returns an empty output.
+        """
+        assert self.model is not None, "load_model first"
+        assert self.kv_cache is not None, "initialize_kv_cache first"
         with record_function("shoal::prepare_inputs"):
-            input_ids, positions, meta, sample_rows = self._prepare_inputs(batch)
-        samplers = [s.request for s in batch if s.samples]
+            input_ids, positions, meta = self._prepare_inputs(step)
         # Structured outputs: the grammars' masks are computed (without the GIL) while the
         # forward pass runs; nothing changes a grammar's state before the sampler reads it.
-        grammars = [g for r in samplers if (g := r.grammar) is not None]
+        grammars = [g for r in samplers or () if (g := r.grammar) is not None]
         bitmask = self._grammar_pool.submit(fill_bitmasks, grammars) if grammars else None
         hidden = self.model(input_ids, positions, meta)
         output = ModelRunnerOutput()
-        if not sample_rows:
+        if not step.sample_rows:
             return output
         with record_function("shoal::sample"):
-            rows = torch.tensor(sample_rows, device=self.device)
+            rows = torch.tensor(step.sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            if samplers is None:
+                return output
             if bitmask is None:
-                sampled = self.sampler(logits, samplers)
+                sampled = self.sampler(logits, list(samplers))
             else:
-                sampled = self.sampler(logits, samplers, grammar_bitmask=bitmask.result())
+                sampled = self.sampler(logits, list(samplers), grammar_bitmask=bitmask.result())
         for request, token, logprobs in zip(
             samplers, sampled.token_ids, sampled.logprobs, strict=True
         ):
@@ -248,56 +283,44 @@ class ModelRunner:
         return output
 
     def _prepare_inputs(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        starts = np.fromiter((s.start for s in batch), dtype=np.int64, count=len(batch))
-        num_new = np.fromiter((s.num_new_tokens for s in batch), dtype=np.int64, count=len(batch))
-        num_tokens = int(num_new.sum())
+        self, step: StepInput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        starts = np.asarray(step.starts, dtype=np.int64)
+        num_new = np.asarray(step.num_new_tokens, dtype=np.int64)
+        num_tokens = step.num_tokens
         assert int((starts + num_new).max()) <= self.max_model_len, "a request passed max_model_len"
         if num_tokens > len(self._input_ids):
             self._input_ids = np.zeros(num_tokens, dtype=np.int64)
-        num_decodes = 0
-        decode_ids: list[int] = []
-        for s in batch:
-            if s.num_new_tokens != 1:
-                break
-            decode_ids.append(s.request.all_token_ids[s.start])
-            num_decodes += 1
         ids = self._input_ids
-        ids[:num_decodes] = decode_ids
-        offset = num_decodes
-        for s in batch[num_decodes:]:
-            ids[offset : offset + s.num_new_tokens] = s.request.all_token_ids[
-                s.start : s.start + s.num_new_tokens
-            ]
-            offset += s.num_new_tokens
+        ids[:num_tokens] = step.token_ids
         attn_batch = AttentionBatch(
             starts=starts,
             num_new_tokens=num_new,
-            block_table=_block_table(batch, (starts + num_new - 1) // self.block_size + 1),
-            num_decodes=num_decodes,
+            block_table=_block_table(step.block_ids),
+            num_decodes=step.num_decodes,
             block_size=self.block_size,
         )
         meta = self.attention_backend.build_metadata(attn_batch, self.device)
-        ends = np.cumsum(num_new)
-        sample_rows = [int(ends[i]) - 1 for i, s in enumerate(batch) if s.samples]
         input_ids = torch.from_numpy(ids[:num_tokens]).to(self.device, non_blocking=True)
         positions = torch.from_numpy(attn_batch.positions).to(self.device)
-        return input_ids, positions, meta, sample_rows
+        return input_ids, positions, meta
 
 
-def _order_batch(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Decodes (one new token) first, longest context first, then the prefill chunks."""
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    decodes.sort(key=lambda s: s.start, reverse=True)
-    return decodes + [s for s in scheduled if s.num_new_tokens != 1]
-
-
-def _block_table(batch: list[ScheduledRequest], num_blocks: np.ndarray) -> np.ndarray:
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
     """[R, max blocks] block ids covering each request's context (zero-padded)."""
-    table = np.zeros((len(batch), int(num_blocks.max())), dtype=np.int64)
-    for i, s in enumerate(batch):
-        n = int(num_blocks[i])
-        assert len(s.block_ids) >= n, f"{s.request.request_id}: blocks do not cover the chunk"
-        table[i, :n] = s.block_ids[:n]
+    table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
+    for i, blocks in enumerate(block_ids):
+        table[i, : len(blocks)] = blocks
     return table
+
+
+def _packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the oneDNN-packed weights, which replaced their parameters (their dense size)."""
+    total = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            total += packed.size().numel() * packed.element_size()
+        elif isinstance(packed, list):
+            total += sum(t.size().numel() * t.element_size() for pair in packed for t in pair)
+    return total

@@ -2,8 +2,9 @@
 
 The executor (`shoal.engine.model.executor`) owns how many workers there are and where they run; a
 worker owns what happens on its device: the intra-op thread count on CPU, loading the weights
-into the runner, sizing and binding the KV cache, and running a scheduled step. It knows nothing
-of the scheduler's state, sockets or other workers.
+into the runner, sizing and binding the KV cache, and running a scheduled step. Under tensor
+parallelism it holds its shard only; the collectives that join it to the other workers live in
+the model's layers. It knows nothing of the scheduler's state, sockets or processes.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.loader import load_blocks, load_weights
+from shoal.engine.loader import load_blocks, load_lazy_weights
 from shoal.engine.model.model_runner import ModelRunner
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.expert_parallel import ExpertParallel
+from shoal.engine.parallel.tensor_parallel import TensorParallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -28,6 +30,8 @@ class Worker:
         arch: the checkpoint's architecture facts.
         max_model_len: the context length served.
         expert_parallel: this rank's share of an MoE model's experts and their exchange.
+        tensor_parallel: this worker's place in its rank's TP group; default: the whole model.
+        device: this worker's device; default: the configured one.
 
     Raises:
         ValueError: a non-positive `cpu_threads`, or what `ModelRunner` refuses.
@@ -40,6 +44,8 @@ class Worker:
         *,
         max_model_len: int,
         expert_parallel: ExpertParallel | None = None,
+        tensor_parallel: TensorParallel | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.model_runner = ModelRunner(
@@ -49,6 +55,8 @@ class Worker:
             arch,
             max_model_len=max_model_len,
             expert_parallel=expert_parallel,
+            tensor_parallel=tensor_parallel,
+            device=device,
         )
         cpu_threads = config.model.cpu_threads
         if cpu_threads is not None and cpu_threads < 1:
@@ -63,13 +71,14 @@ class Worker:
         return self.model_runner.device
 
     def load_model(self) -> None:
-        """Loads the checkpoint's weights into the runner's model.
+        """Loads the checkpoint's weights into the runner's model, reading from a safetensors
+        checkpoint only the tensors (and the blocks of them) this worker holds.
 
         Raises:
             ModelLoadError: the checkpoint cannot be read.
         """
         path = self.config.model.model
-        self.model_runner.load_model(load_weights(path), blocks=load_blocks(path))
+        self.model_runner.load_model(load_lazy_weights(path), blocks=load_blocks(path))
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()

@@ -267,3 +267,32 @@ def test_a_reported_engine_is_probed_kept_if_it_answers_and_restarted_if_it_hang
             time.sleep(0.2)
     for actor in actors:
         ray.kill(actor)
+
+
+def test_a_restarted_registry_finds_an_engine_that_died_while_none_watched(
+    namespace: str,
+) -> None:
+    """As when one node held both: the registry's restart reads rank 0 back as READY, but its
+    actor died meanwhile; the restarted registry probes it and turns the rank DEAD."""
+    registry: Any = (
+        ray.remote(RegistryActor)
+        .options(name="shoal-registry", namespace=namespace, num_cpus=0, max_restarts=1)
+        .remote(namespace, CONFIG, engine_probe_timeout_s=1.0)
+    )
+    actors = _watched_ranks(registry, namespace)
+    try:
+        ray.kill(registry, no_restart=False)
+        ray.kill(actors[0])
+        deadline = time.monotonic() + 30
+        while True:  # until the restarted registry answers
+            try:
+                ray.get(registry.ping.remote(), timeout=5)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                assert time.monotonic() < deadline, "the registry did not restart"
+                time.sleep(0.2)
+        _wait_for_state(registry, 0, RankState.DEAD)
+        assert ray.get(registry.membership.remote()).ranks[1].state == RankState.READY
+    finally:
+        for actor in (*actors, registry):
+            ray.kill(actor)

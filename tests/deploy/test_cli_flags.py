@@ -81,7 +81,6 @@ def test_the_model_is_positional_or_a_flag_but_not_two_different_ones() -> None:
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
-        (["-tp", "2"], ["-tp 2", "--data-parallel-size"]),
         (["--pipeline-parallel-size", "4"], ["pipeline parallelism", "--data-parallel-size"]),
         (["--seed", "0"], ["--seed", "each request"]),
         (["--quantization", "awq"], ["--quantization", ".gguf"]),
@@ -151,6 +150,8 @@ def test_a_chat_template_is_a_file_or_inline_jinja(tmp_path: Path) -> None:
         (["--max-logprobs", "-1"], "--max-logprobs must not be negative"),
         (["--port", "8000", "--generation-config", "/nowhere"], "cannot read"),
         (["--port", "8000", "--chat-template", "{% if %}"], "does not parse"),
+        (["-tp", "3"], "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
+        (["-tp", "2", "--num-gpus-per-rank", "1"], "--num-gpus-per-rank 1 conflicts with"),
     ],
 )
 def test_bad_sizes_and_front_end_files_fail_in_one_line_before_ray(

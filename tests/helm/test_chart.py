@@ -426,7 +426,7 @@ def test_every_rendered_flag_is_one_shoal_serve_parses(override: str) -> None:
     args = build_parser().parse_args(argv[1:])  # argparse exits on an unknown flag
     values = rendered_values(override)["modelSpec"]
     assert args.data_parallel_size == values["dataParallelSize"]
-    assert args.num_gpus_per_rank == values["gpusPerRank"]
+    assert args.num_gpus_per_rank == values.get("gpusPerRank", values["tensorParallelSize"])
     assert args.max_model_len == values.get("maxModelLen")  # Helm drops null values
     assert args.dtype == values["dtype"]
     assert args.model.endswith(values["path"])
@@ -471,7 +471,19 @@ def test_values_schema_makes_helm_refuse_bad_values(values: dict[str, Any], mess
         ({"worker": {"rayStartParams": {"num-gpus": "2"}}}, "set its gpus, not rayStartParams.num-gpus"),
         ({"head": {"rayStartParams": {"num-gpus": "1"}}}, "the head runs no engine"),
         ({"worker": {"disabled": True}}, "no worker group"),
+        ({"modelSpec": {"tensorParallelSize": 2, "gpusPerRank": 1}}, "gpusPerRank 1 conflicts with tensorParallelSize 2"),
+        ({"modelSpec": {"tensorParallelSize": 2, "dataParallelSize": 3}, "worker": {"gpus": 4}}, "3 ranks of 2 GPUs, but the worker groups hold at most 2"),
     ],
 )  # fmt: skip
 def test_the_chart_refuses_values_that_cannot_serve(values: dict[str, Any], message: str) -> None:
     assert message in render_error(values)
+
+
+def test_a_tensor_parallel_rank_reserves_one_gpu_per_worker() -> None:
+    argv = render_values(
+        {"modelSpec": {"tensorParallelSize": 2}, "worker": {"gpus": 4}}
+    ).serve_argv()
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--num-gpus-per-rank") + 1] == "2"
+    args = build_parser().parse_args(argv[1:])
+    assert (args.tensor_parallel_size, args.num_gpus_per_rank) == (2, 2)

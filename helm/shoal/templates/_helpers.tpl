@@ -97,6 +97,23 @@ hostPath:
 {{- end }}
 
 {{/*
+GPUs each rank reserves: gpusPerRank, or by default one per tensor-parallel worker. A value
+that is neither (nor 0, for CPU workers) is refused, as `shoal serve` refuses it.
+*/}}
+{{- define "shoal.gpusPerRank" -}}
+{{- $m := .Values.modelSpec }}
+{{- $tp := int ($m.tensorParallelSize | default 1) }}
+{{- if kindIs "invalid" $m.gpusPerRank }}
+{{- $tp }}
+{{- else }}
+{{- if and (gt $tp 1) (gt (float64 $m.gpusPerRank) 0.0) (ne (float64 $m.gpusPerRank) (float64 $tp)) }}
+{{- fail (printf "modelSpec.gpusPerRank %v conflicts with tensorParallelSize %d: each of a rank's workers runs on one GPU (leave gpusPerRank null to follow it)" $m.gpusPerRank $tp) }}
+{{- end }}
+{{- toString $m.gpusPerRank }}
+{{- end }}
+{{- end }}
+
+{{/*
 The `shoal serve` arguments, as a JSON list: each model-spec value maps onto the flag of the
 same meaning that `shoal serve --help` lists.
 */}}
@@ -109,7 +126,10 @@ same meaning that `shoal serve --help` lists.
 {{- $args = concat $args (list "--namespace" .Values.server.namespace) }}
 {{- $args = concat $args (list "--host" "0.0.0.0" "--port" (toString .Values.server.port)) }}
 {{- $args = concat $args (list "--data-parallel-size" (toString (int $m.dataParallelSize))) }}
-{{- $args = concat $args (list "--num-gpus-per-rank" (toString $m.gpusPerRank)) }}
+{{- if gt (int ($m.tensorParallelSize | default 1)) 1 }}
+{{- $args = concat $args (list "--tensor-parallel-size" (toString (int $m.tensorParallelSize))) }}
+{{- end }}
+{{- $args = concat $args (list "--num-gpus-per-rank" (include "shoal.gpusPerRank" .)) }}
 {{- if $m.enableExpertParallel }}
 {{- $args = append $args "--enable-expert-parallel" }}
 {{- end }}
@@ -130,7 +150,7 @@ With the autoscaler on, the most ranks the worker groups hold at maxReplicas: a 
 refused at once. Empty without the autoscaler (then a resize fits the live nodes).
 */}}
 {{- define "shoal.autoscaledMaxRanks" -}}
-{{- $perRank := float64 .Values.modelSpec.gpusPerRank }}
+{{- $perRank := float64 (include "shoal.gpusPerRank" .) }}
 {{- if and .Values.head.enableInTreeAutoscaling (gt $perRank 0.0) }}
 {{- $fit := 0 }}
 {{- $groups := list }}
