@@ -117,12 +117,5 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted as in vLLM; shoal never logs requests",
     )
-    parser.add_argument(
-        "--seed",
-        action=_Refuse,
-        reason="shoal has no engine-wide seed; give each request its own `seed` "
-        "(SamplingParams(seed=...) or the OpenAI `seed` field) for reproducible sampling",
-        help="refused: shoal has no engine-wide seed (seed each request instead)",
-    )
     for flags, reason in _REFUSED.items():
         parser.add_argument(*flags, action=_Refuse, reason=reason, help=f"refused: {reason}")

@@ -52,6 +52,13 @@ class ModelConfig:
     max_logprobs: int = field(
         default=20, metadata=_help("the most logprobs a request may ask for per token")
     )
+    seed: int | None = field(
+        default=None,
+        metadata=_help(
+            "seeds the sampling of requests that carry no seed of their own, as vLLM's --seed: "
+            "the same requests in the same order get the same tokens; default: unseeded"
+        ),
+    )
     attention_backend: str | None = field(
         default=None,
         metadata=_help(

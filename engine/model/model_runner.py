@@ -111,7 +111,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
-        self.sampler = Sampler()
+        self.sampler = Sampler(model_config.seed)
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-grammar")
         # Chosen once: the layers call it and never look at the device themselves.
         self.attention_backend = select_attention_backend(

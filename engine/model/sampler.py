@@ -34,7 +34,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of a [num_rows, vocab] logits matrix."""
+    """Samples one token per row of a [num_rows, vocab] logits matrix.
+
+    Args:
+        seed: seeds the draws of requests without a seed of their own (vLLM's `--seed`): the
+            same requests in the same order then get the same tokens. None: torch's global
+            generator.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def __call__(
         self,
@@ -66,7 +75,7 @@ class Sampler:
         if not random_rows:
             token_ids = logits.argmax(dim=-1)
         elif len(random_rows) == len(params):
-            token_ids = _sample_random(logits, requests)
+            token_ids = _sample_random(logits, requests, self._generator)
         else:
             token_ids = torch.empty(len(params), dtype=torch.long, device=logits.device)
             greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
@@ -74,7 +83,7 @@ class Sampler:
             token_ids[greedy] = logits.index_select(0, greedy).argmax(dim=-1)
             rows = torch.tensor(random_rows, device=logits.device)
             picked = [requests[i] for i in random_rows]
-            token_ids[rows] = _sample_random(logits.index_select(0, rows), picked)
+            token_ids[rows] = _sample_random(logits.index_select(0, rows), picked, self._generator)
         tokens: list[int] = token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
@@ -160,14 +169,16 @@ def _apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _sample_random(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _sample_random(
+    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator | None
+) -> torch.Tensor:
     """Draws from temperature-scaled, top-k / top-p truncated distributions by inverse CDF."""
     params = [r.sampling_params for r in requests]
     device, vocab = logits.device, logits.shape[1]
     logits.div_(torch.tensor([p.temperature for p in params], device=device)[:, None])
     if any(p.min_p > 0.0 for p in params):
         _apply_min_p(logits, [p.min_p for p in params])
-    uniforms = _uniforms(requests).to(device)
+    uniforms = _uniforms(requests, generator).to(device)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     truncated = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]
     if not truncated:
@@ -268,9 +279,10 @@ def _invert_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return picked.squeeze(1)
 
 
-def _uniforms(requests: Sequence[Request]) -> torch.Tensor:
-    """A U[0, 1) draw per request: from (seed, output position) when seeded, else global."""
-    out = torch.rand(len(requests))
+def _uniforms(requests: Sequence[Request], generator: torch.Generator | None) -> torch.Tensor:
+    """A U[0, 1) draw per request: from (seed, output position) when seeded, else from
+    `generator` (torch's global one when None)."""
+    out = torch.rand(len(requests), generator=generator)
     for row, request in enumerate(requests):
         seed = request.sampling_params.seed
         if seed is not None:

@@ -55,11 +55,11 @@ def test_a_vllm_launch_line_parses_onto_the_config() -> None:
          "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
          "--generation-config", "vllm", "--uvicorn-log-level", "info", "--max-logprobs", "5",
          "--served-model-name", "llama", "meta-llama/Llama-3.2-1B", "--port", "8000",
-         "--chat-template", "{{ messages[0]['content'] }}"]
+         "--chat-template", "{{ messages[0]['content'] }}", "--seed", "0"]
     )  # fmt: skip
     assert serve.model_of(args) == "/models/llama"
     config = EngineConfig.from_kwargs(serve.model_of(args), **engine_kwargs_from_cli(args))
-    assert config.model.max_logprobs == 5
+    assert config.model.max_logprobs == 5 and config.model.seed == 0
     front_end = front_end_config(args, args.port)
     assert front_end.served_model_names == ("llama", "meta-llama/Llama-3.2-1B")
     assert front_end.uvicorn_log_level == "info"
@@ -82,7 +82,6 @@ def test_the_model_is_positional_or_a_flag_but_not_two_different_ones() -> None:
     ("argv", "names"),
     [
         (["--pipeline-parallel-size", "4"], ["pipeline parallelism", "--data-parallel-size"]),
-        (["--seed", "0"], ["--seed", "each request"]),
         (["--quantization", "awq"], ["--quantization", ".gguf"]),
         (["--enable-lora"], ["--enable-lora", "merge"]),
     ],

@@ -78,6 +78,27 @@ def test_seeded_draws_do_not_depend_on_batching_or_recompute() -> None:
     assert len(set(alone)) > 3  # a flat distribution: the draws really vary
 
 
+def test_an_engine_seed_repeats_the_draws_of_unseeded_requests() -> None:
+    """vLLM's --seed: the same unseeded requests in the same order draw the same tokens; a
+    request's own seed still decides its draws."""
+    logits = _logits(16, seed=4, scale=1.0)
+
+    def run(sampler: Sampler) -> list[list[int]]:
+        steps = []
+        for _ in range(5):
+            requests = [_request(SamplingParams(temperature=1.0)) for _ in range(16)]
+            steps.append(sampler(logits.clone(), requests).token_ids)
+        return steps
+
+    assert run(Sampler(seed=7)) == run(Sampler(seed=7))
+    assert run(Sampler(seed=7)) != run(Sampler(seed=8))
+    own = [_request(SamplingParams(temperature=1.0, seed=3)) for _ in range(16)]
+    assert (
+        Sampler(seed=7)(logits.clone(), own).token_ids
+        == Sampler(seed=8)(logits.clone(), own).token_ids
+    )
+
+
 def test_draw_seed_mixes_seed_and_position() -> None:
     seeds = {draw_seed(s, p) for s in range(50) for p in range(50)}
     assert len(seeds) == 2500
