@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 ENGINE_WATCH_METHOD = "wait_for_exit"
 # An engine actor that does not answer `health` within this long counts as hung.
 ENGINE_PROBE_TIMEOUT_S = 5.0
+# A restarted registry's look at each rank it read back: long, as a restart comes with a loaded
+# or failing cluster, and a healthy rank that answers late must not be taken for a lost one.
+RECHECK_PROBE_TIMEOUT_S = 30.0
 _UNAVAILABLE_RETRY_S = 0.2
 
 logger = logging.getLogger(__name__)
@@ -161,18 +164,23 @@ class RankLiveness:
         lost node takes both) would otherwise stay serving in the table it read back, and its
         watch would wait for an actor that may never be placed again.
         """
-        recheck = asyncio.get_running_loop().create_task(self.report_lost(rank, identity))
+        recheck = asyncio.get_running_loop().create_task(
+            self.report_lost(rank, identity, RECHECK_PROBE_TIMEOUT_S)
+        )
         self._rechecks.add(recheck)
         recheck.add_done_callback(self._rechecks.discard)
 
-    async def report_lost(self, rank: int, identity: bytes) -> bool:
+    async def report_lost(self, rank: int, identity: bytes, timeout_s: float | None = None) -> bool:
         """A client lost `identity` (see `RegistryActor.report_engine_lost`). Returns whether
-        that incarnation keeps serving; concurrent reports about it share one probe."""
+        that incarnation keeps serving; concurrent reports about it share one probe, which
+        waits `timeout_s` for an answer (default: the registry's probe timeout)."""
         if not self._table.is_serving(rank, identity):
             return False
         probe = self._probes.get(identity)
         if probe is None:
-            probe = asyncio.get_running_loop().create_task(self._probe(rank, identity))
+            probe = asyncio.get_running_loop().create_task(
+                self._probe(rank, identity, timeout_s or self._probe_timeout_s)
+            )
             self._probes[identity] = probe
             probe.add_done_callback(lambda _: self._probes.pop(identity, None))
         return await asyncio.shield(probe)
@@ -186,9 +194,9 @@ class RankLiveness:
             logger.warning("rank %d: engine actor died", rank)
             self._table.mark_dead(rank, identity)
 
-    async def _probe(self, rank: int, identity: bytes) -> bool:
+    async def _probe(self, rank: int, identity: bytes, timeout_s: float) -> bool:
         actor = find_engine(self._table.rank(rank).actor_name, self._namespace)
-        liveness = await probe_engine(actor, identity, self._probe_timeout_s)
+        liveness = await probe_engine(actor, identity, timeout_s)
         if liveness == Liveness.ALIVE:
             logger.info("rank %d was reported lost by a client but answers; kept", rank)
             return True
@@ -197,7 +205,7 @@ class RankLiveness:
                 "rank %d was reported lost and did not answer a health probe in %.0f s; "
                 "restarting it",
                 rank,
-                self._probe_timeout_s,
+                timeout_s,
             )
             restart_engine(actor)
         self._table.mark_dead(rank, identity)

@@ -171,6 +171,10 @@ class MembershipTable:
             state = RankState.LEAVING
         elif joining:
             state = RankState.JOINING
+        if info.endpoint is not None and info.state in SERVING_STATES:
+            # A new incarnation of a rank still counted serving: the one before it died, and
+            # Ray restarted it before its death was seen.
+            self._record_failure(rank)
         incarnation = info.incarnation + 1
         self.set_rank(
             replace(info, state=state, incarnation=incarnation, endpoint=endpoint, node_ip=node_ip)
@@ -194,10 +198,13 @@ class MembershipTable:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""
         if self.is_serving(rank, identity):
             self.set_rank(replace(self._state.ranks[rank], state=RankState.DEAD))
-            failures = self._state.rank_failures
-            failures.append((time.time(), rank))
-            del failures[:-MAX_RANK_FAILURES_KEPT]
+            self._record_failure(rank)
             self.bump()
+
+    def _record_failure(self, rank: int) -> None:
+        failures = self._state.rank_failures
+        failures.append((time.time(), rank))
+        del failures[:-MAX_RANK_FAILURES_KEPT]
 
     def rank_failures(self) -> list[tuple[float, int]]:
         """(unix time, rank) of the latest rank failures (`mark_dead`), oldest first."""

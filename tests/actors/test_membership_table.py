@@ -67,6 +67,19 @@ def test_each_rank_failure_is_recorded_once_and_only_the_latest_are_kept() -> No
     assert [at for at, _ in failures] == sorted(at for at, _ in failures)
 
 
+def test_a_restart_seen_before_its_death_still_counts_the_failure() -> None:
+    """Ray restarted the rank and the new incarnation registered before the old one's death
+    was seen: the death counts once, and a first registration counts none."""
+    table, _ = _table()
+    table.set_rank(RankInfo(0, RankState.STARTING, "e-0", "pg-0"))
+    table.register(_endpoint(0, b"0:a"), "10.0.0.1", b"", joining=False)
+    assert table.rank_failures() == []
+    table.register(_endpoint(0, b"0:b"), "10.0.0.1", b"", joining=False)
+    table.mark_dead(0, b"0:a")  # the late word of the old incarnation's death
+    assert [rank for _, rank in table.rank_failures()] == [0]
+    assert table.rank(0).state == RankState.READY
+
+
 async def test_a_long_poll_wakes_on_the_next_bump_or_returns_at_its_timeout() -> None:
     table, _ = _table()
     started = time.monotonic()

@@ -194,10 +194,14 @@ assert hasattr(_WatchedActor, ENGINE_WATCH_METHOD)
 
 
 def _wait_for_state(registry: Any, rank: int, state: RankState) -> None:
+    """Until `rank` is in `state`; a registry that is restarting meanwhile is asked again."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if ray.get(registry.membership.remote()).ranks[rank].state == state:
-            return
+        try:
+            if ray.get(registry.membership.remote()).ranks[rank].state == state:
+                return
+        except ray.exceptions.RayActorError:  # ray.kill is asynchronous: the restart may follow
+            pass
         time.sleep(0.1)
     raise AssertionError(f"rank {rank} never became {state}")
 

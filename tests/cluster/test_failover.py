@@ -185,8 +185,12 @@ async def test_a_killed_rank_loses_no_request_and_limit_zero_fails_as_before(
         assert _client(driver).router.stats.migrated.get(REASON_RANK_FAILED, 0) >= 1
     assert not _client(drivers[2]).router.stats.migrated
 
-    # `shoal status` counts the failure.
-    status = await asyncio.to_thread(cluster.status)
+    # `shoal status` counts the failure, once the registry has seen it (the drivers may
+    # have moved their requests first).
+    deadline = time.monotonic() + 30
+    while not (status := await asyncio.to_thread(cluster.status))["rank_failures"]:
+        assert time.monotonic() < deadline, status
+        await asyncio.sleep(0.2)
     assert [f["rank"] for f in status["rank_failures"]] == [victim]
 
 

@@ -123,9 +123,10 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused_before_any_process_s
         max_position_embeddings=64,
     )
     config = EngineConfig.from_kwargs("unused", tensor_parallel_size=size)
+    before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match=reason):
         make_executor(config, arch, max_model_len=64)
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before  # no worker was started
 
 
 @pytest.mark.slow
