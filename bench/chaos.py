@@ -1,11 +1,14 @@
 """Chaos under sustained load: two drivers and one HTTP front end stream greedy requests over a
-tiny dense cluster while a fault is injected every 15-30 s.
+tiny dense cluster on a simulated multi-node Ray cluster while a fault is injected every 15-30 s.
+Ray runs as a head with no CPUs (this process, the control actors) and `--nodes` worker
+raylets of `--node-cpus` CPUs that hold the ranks, spread (bench/chaos_cluster.py).
 
 Faults (`--faults`, all by default): `kill` SIGKILLs a rank's actor process; `hang` SIGSTOPs
 one past the clients' hang detection (`--hang-s`, then SIGCONT); `coordinator` kills the
 coordinator actor (Ray restarts it); `resize` scales the cluster one rank up or down (between 2
-and 4); `front_end` stops the HTTP front end abruptly and starts a new one. Losing a whole
-node is not among them here (this script runs one Ray node).
+and 4); `front_end` stops the HTTP front end abruptly and starts a new one; `node` SIGKILLs
+every process of a worker node that holds ranks (not all: else it is skipped) and starts a
+new node, as Kubernetes would recreate the pod, where the lost ranks restart if none has room.
 
 It prints the requests started, finished, failed, duplicated (more tokens than the reference,
 which it starts with) and wrong (any other difference from the greedy reference computed before
@@ -14,11 +17,11 @@ is the HTTP client's to retry); the migrations; per fault kind the longest wait 
 output of any stream in flight when it struck; and the drivers' output tokens/s before the
 first fault, in the 10 s after each, and after the last.
 
-    .venv/bin/python bench/chaos.py [--minutes 10] [--faults kill,hang,coordinator,resize,front_end]
-        [--max-tokens 48] [--concurrency 3] [--hang-s 6] [--seed 0]
+    .venv/bin/python bench/chaos.py [--minutes 10] [--faults kill,hang,coordinator,resize,
+        front_end,node] [--nodes 2] [--node-cpus 2] [--max-tokens 48] [--concurrency 3] [--seed 0]
 
 Targets: 0 requests lost or wrong among those not on a killed front end; longest stall <= 3 s
-for a killed rank, <= the hang detection (about 4 s) + 2 s for a hung one.
+for a killed rank or node, <= the hang detection (about 4 s) + 2 s for a hung one.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, cast
 import openai
 import ray
 import uvicorn
+from chaos_cluster import SimulatedCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,6 +62,8 @@ from tests.ray_utils import free_port
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 17], [42] * 9, [7, 300, 11, 12], [9, 8, 7, 6, 5, 4]]
 MODEL = "tiny"
+NAMESPACE = "bench-chaos"
+FAULTS = ("kill", "hang", "coordinator", "resize", "front_end", "node")
 AFTER_FAULT_S = 10.0  # the "during" window after each fault
 
 
@@ -74,6 +80,10 @@ class Stream:
     error: str | None = None
     finished_at: float = 0.0
     on_killed_front_end: bool = False
+
+
+class NoTarget(Exception):
+    """A fault that found nothing it may strike (it is skipped, not counted)."""
 
 
 @dataclass
@@ -216,9 +226,15 @@ class Chaos:
     """The fault injectors, over one cluster."""
 
     def __init__(
-        self, handle: ClusterHandle, driver: AsyncLLM, front: FrontEnd, args: argparse.Namespace
+        self,
+        handle: ClusterHandle,
+        driver: AsyncLLM,
+        front: FrontEnd,
+        cluster: SimulatedCluster,
+        args: argparse.Namespace,
     ) -> None:
         self.handle, self.driver, self.front, self.args = handle, driver, front, args
+        self.cluster = cluster
         self.rng = random.Random(args.seed)
         self.size = args.ranks
 
@@ -229,6 +245,7 @@ class Chaos:
             "coordinator": self.kill_coordinator,
             "resize": self.resize,
             "front_end": self.restart_front_end,
+            "node": self.lose_node,
         }
 
     async def kill_rank(self) -> str:
@@ -265,6 +282,34 @@ class Chaos:
         await self.front.kill()
         await self.front.start()
         return ""
+
+    async def lose_node(self) -> str:
+        """Loses a worker node that holds serving ranks, never all of them (with no survivor
+        every stream fails: an outage, not a failover), and adds a new one."""
+        held = self.cluster.ranks_by_node(await _rank_pids(self.handle))
+        if len(held) < 2:
+            raise NoTarget("every serving rank is on one node")
+        node = self.rng.choice(sorted(held, key=lambda n: n.name))
+        await asyncio.to_thread(self.cluster.lose, node)
+        lost_at = time.monotonic()
+        new = await asyncio.to_thread(self.cluster.add_node)
+        joined_s = time.monotonic() - lost_at
+        serve_s = await self._until_all_serve(lost_at, timeout_s=120.0)
+        serve = f"{serve_s:.1f} s" if serve_s is not None else "over 120 s"
+        return (
+            f"{node.name} (ranks {held[node]}); "
+            f"{new.name} up in {joined_s:.1f} s, all serve in {serve}"
+        )
+
+    async def _until_all_serve(self, since: float, timeout_s: float) -> float | None:
+        """Seconds from `since` until every rank of the cluster is READY; None past timeout."""
+        while time.monotonic() < since + timeout_s:
+            membership = await asyncio.to_thread(self.handle.membership)
+            states = [info.state for info in membership.ranks.values()]
+            if len(states) == self.size and all(s == RankState.READY for s in states):
+                return time.monotonic() - since
+            await asyncio.sleep(0.5)
+        return None
 
 
 def _verdict(stream: Stream, references: dict[int, list[int]], texts: dict[int, str]) -> str:
@@ -316,7 +361,7 @@ async def _reference(
     return tokens, texts
 
 
-async def _run(args: argparse.Namespace, checkpoint: str) -> None:
+async def _run(args: argparse.Namespace, checkpoint: str, cluster: SimulatedCluster) -> None:
     config = EngineConfig.from_kwargs(
         checkpoint,
         data_parallel_size=args.ranks,
@@ -324,9 +369,11 @@ async def _run(args: argparse.Namespace, checkpoint: str) -> None:
         max_model_len=256,
         max_num_batched_tokens=128,
     )
-    handle = launch(
-        config, LaunchOptions(RankResources(num_cpus=1), host="127.0.0.1"), namespace="bench-chaos"
+    # Detached: the ranks' placement groups and actors outlive any one node but the head.
+    options = LaunchOptions(
+        RankResources(num_cpus=1), placement_strategy="spread", host="127.0.0.1", detached=True
     )
+    handle = launch(config, options, namespace=NAMESPACE)
     drivers = [
         await AsyncLLM.connect(handle.namespace, host="127.0.0.1", name=f"chaos driver {i}")
         for i in range(2)
@@ -344,7 +391,7 @@ async def _run(args: argparse.Namespace, checkpoint: str) -> None:
             for _ in range(args.concurrency)
         ] + [_http_load(front, args.max_tokens, stop, streams) for _ in range(args.concurrency)]
         tasks = [asyncio.create_task(load) for load in loads]
-        chaos = Chaos(handle, drivers[0], front, args)
+        chaos = Chaos(handle, drivers[0], front, cluster, args)
         injectors = chaos.injectors()
         kinds = args.faults.split(",")
         started = time.monotonic()
@@ -354,7 +401,11 @@ async def _run(args: argparse.Namespace, checkpoint: str) -> None:
             kind = chaos.rng.choice(kinds)
             fault = Fault(kind, time.monotonic())
             print(f"{fault.at - started:7.1f} s  {kind:<12}", end=" ", flush=True)
-            fault.note = await injectors[kind]()
+            try:
+                fault.note = await injectors[kind]()
+            except NoTarget as e:
+                print(f"skipped: {e}", flush=True)
+                continue
             faults.append(fault)
             print(fault.note, flush=True)
             await asyncio.sleep(chaos.rng.uniform(args.rng_min_s, args.rng_max_s))
@@ -417,8 +468,10 @@ def _print(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--faults", default="kill,hang,coordinator,resize,front_end")
+    parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=2, help="worker nodes (the head holds none)")
+    parser.add_argument("--node-cpus", type=int, default=2, help="CPUs (ranks) per worker node")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=3, help="streams per client")
     parser.add_argument("--hang-s", type=float, default=6.0, help="how long a hung rank stops")
@@ -429,13 +482,17 @@ def main() -> None:
     parser.add_argument("--rng-max-s", type=float, default=30.0, help="most time between faults")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="bench-chaos")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = make_tiny_checkpoint(tmp, "llama")
-            asyncio.run(_run(args, checkpoint))
-    finally:
-        ray.shutdown()
+    unknown = set(args.faults.split(",")) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; known: {','.join(FAULTS)}")
+    if args.nodes * args.node_cpus < max(args.ranks, 4):
+        parser.error("the worker nodes must hold --ranks and 4 ranks (the largest resize)")
+    with (
+        SimulatedCluster(args.nodes, args.node_cpus, NAMESPACE) as cluster,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        checkpoint = make_tiny_checkpoint(tmp, "llama")
+        asyncio.run(_run(args, checkpoint, cluster))
 
 
 if __name__ == "__main__":

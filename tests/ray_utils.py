@@ -30,6 +30,14 @@ RAY_BIN = str(Path(sys.executable).with_name("ray"))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The engine flags every CLI-started tiny test cluster uses: a small KV pool and context.
 TINY_ENGINE_FLAGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256"]
+# `start_ray_head(system_env=...)` for simulated node loss: the GCS declares a silent node dead
+# after ~3 s instead of ~15 s (Ray's defaults).
+FAST_NODE_DEATH = {
+    "RAY_health_check_initial_delay_ms": "0",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "3",
+}
 
 
 def unique_namespace(prefix: str = "test") -> str:

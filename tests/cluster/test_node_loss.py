@@ -29,6 +29,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import RequestOutputKind
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import (
+    FAST_NODE_DEATH,
     RayHead,
     kill_process_group,
     start_ray_head,
@@ -50,13 +51,6 @@ ENGINE_KWARGS: dict[str, Any] = {
     "num_gpu_blocks_override": 128,
     "max_model_len": 512,
     "max_num_batched_tokens": 64,
-}
-# The GCS declares a silent node dead after ~3 s instead of ~15 s (Ray's defaults).
-FAST_NODE_DEATH = {
-    "RAY_health_check_initial_delay_ms": "0",
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "2000",
-    "RAY_health_check_failure_threshold": "3",
 }
 NODE_B, NODE_C = "shoal-test-node-b", "shoal-test-node-c"
 
