@@ -80,7 +80,7 @@ class CoordinatorActor:
         previous: tuple[str | None, str | None] = (None, None)
         if namespace is not None and ray.get_runtime_context().was_current_actor_reconstructed:
             found: RegistryHandle = ray.get_actor(REGISTRY_NAME, namespace=namespace)
-            membership = ray.get(found.membership.remote())
+            membership = _membership_once_up(found)
             registry = found
             previous = (membership.stats_report_address, membership.stats_publish_address)
         self._context = zmq.Context()
@@ -280,3 +280,23 @@ def _queued_messages(socket: zmq.Socket) -> Iterator[list[bytes]]:
 def _load_of(report: EngineStatsReport) -> tuple[object, ...]:
     """What a change of is published quickly: the load, and the DP wave."""
     return report.stats, report.current_wave, report.is_wave_running
+
+
+# How long a restarted coordinator waits for the registry (a lost node restarts both at once).
+REGISTRY_WAIT_S = 120.0
+
+
+def _membership_once_up(registry: RegistryHandle) -> Membership:
+    """The registry's membership, asked again while the registry itself is restarting.
+
+    Raises:
+        RayActorError: the registry did not answer within REGISTRY_WAIT_S.
+    """
+    deadline = time.monotonic() + REGISTRY_WAIT_S
+    while True:
+        try:
+            return ray.get(registry.membership.remote())
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
