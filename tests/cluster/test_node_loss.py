@@ -230,6 +230,8 @@ async def test_losing_the_node_of_the_control_actors_loses_no_request(
     # The registry came back with its state: the driver is still attached, and the coordinator
     # again publishes where it did.
     await _until("the registry answers", lambda: _answers(cluster.registry.ping), 120)
+    # `status` asks the coordinator too, which restarts after the registry (it waits for it).
+    await _until("the coordinator answers", lambda: _answers(cluster.coordinator.addresses), 120)
     assert [c["name"] for c in cluster.status()["clients"]] == clients_before
     assert ray.get(cluster.coordinator.addresses.remote(), timeout=60) == coordinator_before
     where = _actor_nodes(nodes)
