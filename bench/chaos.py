@@ -175,6 +175,9 @@ async def _driver_load(
         except (EngineDeadError, RequestError) as e:
             stream.error = str(e)
         stream.finished_at = time.monotonic()
+        if llm.errored:  # the client is dead for good: every further request would fail at once
+            print(f"{name}: the client is dead ({stream.error}); this driver stops", flush=True)
+            return
 
 
 async def _http_load(

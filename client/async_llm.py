@@ -278,6 +278,7 @@ class AsyncLLM:
                     ids = processor.request_ids()
                 processor.fail_requests(ids, dead)
                 if not alive:
+                    logger.error("no engine can serve this client any more: %s", dead)
                     self._dead_error = dead
                     return
                 continue

@@ -161,6 +161,10 @@ class AsyncMPClient(AsyncEngineSetMixin):
                     if num_unyielded >= _MAX_FRAMES_PER_TURN:
                         num_unyielded = 0
                         await asyncio.sleep(0)
+                    if resources.is_closed:
+                        # Closed while this task waited: its socket may be gone, and its
+                        # memory another socket's by now. Never read it again.
+                        return
                     frames = read_queued()
                     if frames is not None:
                         num_unyielded += 1
@@ -232,6 +236,8 @@ class AsyncMPClient(AsyncEngineSetMixin):
                     if outputs.outputs or outputs.scheduler_stats:
                         outputs_queue.put_nowait(outputs)
             except Exception as e:
+                if not resources.is_closed:  # else: the sockets were closed under this task
+                    logger.exception("the engines' output stream failed")
                 outputs_queue.put_nowait(e)
                 fail_utility_calls(utility_results, utility_engines, None, format_exception(e))
             except asyncio.CancelledError:
