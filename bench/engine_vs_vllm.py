@@ -25,24 +25,28 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
-VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
-VLLM_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "4",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.side_by_side import (
+    ROOT,
+    VLLM_ENV,
+    VLLM_MODEL,
+    VLLM_PYTHON,
+    alternate,
+    drive,
+    load_average,
+    require_vllm_peer,
+    run_worker,
+    serve_job,
+)
+
 MAX_MODEL_LEN = 1024
 
 
@@ -60,20 +64,7 @@ def make_workload(
 
 
 # --- workers: each runs inside its engine's own venv and prints one JSON line ---------------
-
-
-def _drive(add: Any, step: Any, num_requests: int) -> tuple[float, dict[str, list[float]]]:
-    """Steps until every request finished; returns (start time, token times per request)."""
-    times: dict[str, list[float]] = {str(i): [] for i in range(num_requests)}
-    start = time.perf_counter()
-    add()
-    done = 0
-    while done < num_requests:
-        for request_id, new_tokens, finished in step():
-            now = time.perf_counter()
-            times[request_id].extend([now] * new_tokens)
-            done += finished
-    return start, times
+# Request i of the workload is request id str(i) on both sides.
 
 
 def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +115,7 @@ def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
             for o in outs.outputs
         ]
 
-    start, times = _drive(add, step, len(job["prompts"]))
+    start, times = drive(add, step, [str(i) for i in range(len(job["prompts"]))])
     core.shutdown()
     return {"start": start, "times": times}
 
@@ -166,7 +157,7 @@ def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
             counts[o.request_id] = total
         return events
 
-    start, times = _drive(add, step, len(job["prompts"]))
+    start, times = drive(add, step, [str(i) for i in range(len(job["prompts"]))])
     return {"start": start, "times": times}
 
 
@@ -185,34 +176,10 @@ def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, flo
         "shoal_model": str(VLLM_MODEL) if engine == "dense" else None,
         "engine_args": dict(_parse_kv(a) for a in extra),
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    env = dict(os.environ)
-    python = sys.executable
     if engine == "vllm":
-        env.update(VLLM_ENV)
-        python = str(VLLM_PYTHON)
-    try:
-        proc = subprocess.run(
-            [
-                python,
-                __file__,
-                "--worker",
-                "vllm" if engine == "vllm" else "shoal",
-                "--job",
-                f.name,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    finally:
-        os.unlink(f.name)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"{engine} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(lines[-1])
+        result = run_worker(__file__, "vllm", job, python=VLLM_PYTHON, env=VLLM_ENV)
+    else:
+        result = run_worker(__file__, "shoal", job)
     return summarise(result["start"], result["times"], max_tokens)
 
 
@@ -246,10 +213,6 @@ def _parse_kv(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -276,13 +239,10 @@ def main() -> None:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        result = (worker_shoal if args.worker == "shoal" else worker_vllm)(job)
-        print(json.dumps(result))
+        serve_job(args.job, worker_shoal if args.worker == "shoal" else worker_vllm)
         return
-    if not VLLM_PYTHON.exists() or not (VLLM_MODEL / "config.json").exists():
-        sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
-    print(f"load average before: {_load()}")
+    require_vllm_peer()
+    print(f"load average before: {load_average()}")
     engines = ["shoal", "vllm"] + (["base"] if args.baseline_root else [])
     engines += ["dense"] if args.with_dense else []
     for part in args.parts.split(","):
@@ -291,19 +251,18 @@ def main() -> None:
             f"\n[{part}] {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
             f"output tokens {sum(max_tokens)}, fp32, shoal args {args.shoal_arg or '-'}"
         )
-        results: dict[str, list[dict[str, float]]] = {e: [] for e in engines}
-        for r in range(args.rounds):
-            # Rotate which engine goes first, so none always runs on a warmer machine.
-            order = engines[r % len(engines) :] + engines[: r % len(engines)]
-            for engine in order:
-                s = run_round(engine, part, args)
-                results[engine].append(s)
-                print(
-                    f"  round {r + 1} {engine:5s} {s['tokens_per_s']:8.1f} tok/s   "
-                    f"TTFT p50 {s['ttft_p50'] * 1e3:7.0f} p99 {s['ttft_p99'] * 1e3:7.0f} ms   "
-                    f"ITL p50 {s['itl_p50'] * 1e3:6.1f} p99 {s['itl_p99'] * 1e3:6.1f} ms",
-                    flush=True,
-                )
+
+        def one_round(engine: str, r: int, part: str = part) -> dict[str, float]:
+            s = run_round(engine, part, args)
+            print(
+                f"  round {r + 1} {engine:5s} {s['tokens_per_s']:8.1f} tok/s   "
+                f"TTFT p50 {s['ttft_p50'] * 1e3:7.0f} p99 {s['ttft_p99'] * 1e3:7.0f} ms   "
+                f"ITL p50 {s['itl_p50'] * 1e3:6.1f} p99 {s['itl_p99'] * 1e3:6.1f} ms",
+                flush=True,
+            )
+            return s
+
+        results = alternate(engines, args.rounds, one_round)
         for r in range(args.rounds):
             for other in engines[1:]:
                 a, b = results["shoal"][r], results[other][r]
@@ -316,7 +275,7 @@ def main() -> None:
         mean = {e: statistics.mean(x["tokens_per_s"] for x in v) for e, v in results.items()}
         for other in engines[1:]:
             print(f"  mean throughput ratio shoal / {other} {mean['shoal'] / mean[other]:.2f}x")
-    print(f"\nload average after: {_load()}")
+    print(f"\nload average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ requests, which flatters the policies that preempt most).
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import ray
-from prefix_routing_workload import Run, Workload
+from prefix_routing_workload import Run, Workload, run_conversations
 
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.client.dp_client import DPLBAsyncMPClient
@@ -75,25 +74,13 @@ async def replay(
     try:
         assert all((await client.call_utility_all_async("reset_prefix_cache")).values())
         await asyncio.sleep(0.3)  # the resets' KV events reach the index
-        started = time.monotonic()
-        if variant == "open-loop":
-            rng = random.Random(workload.seed)
-            tasks = []
-            at = 0.0
-            for i in range(workload.num_conversations):
-                await asyncio.sleep(max(0.0, started + at - time.monotonic()))
-                tasks.append(asyncio.create_task(_conversation(llm, workload, docs, i, run)))
-                at += rng.expovariate(rate)
-            await asyncio.gather(*tasks)
-        else:
-            queue = list(range(workload.num_conversations))
-
-            async def worker() -> None:
-                while queue:
-                    await _conversation(llm, workload, docs, queue.pop(0), run)
-
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-        run.seconds = time.monotonic() - started
+        run.seconds = await run_conversations(
+            workload,
+            variant,
+            rate,
+            concurrency,
+            lambda i: _conversation(llm, workload, docs, i, run),
+        )
     finally:
         await llm.aclose()
     return run

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefix_routing_workload import TOKEN_IDS, Run, Workload  # noqa: E402
+from prefix_routing_workload import TOKEN_IDS, Run, Workload, run_conversations  # noqa: E402
 
 from tests.ray_utils import (  # noqa: E402
     free_port,
@@ -211,25 +211,13 @@ async def replay(port: int, workload: Workload, variant: str, rate: float, concu
     docs = workload.documents()
     run = Run()
     hits_before, queries_before = prefix_cache_counters(port)
-    started = time.monotonic()
-    if variant == "open-loop":
-        rng = random.Random(workload.seed)
-        tasks = []
-        at = 0.0
-        for i in range(workload.num_conversations):
-            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
-            tasks.append(asyncio.create_task(_conversation(client, workload, docs, i, run)))
-            at += rng.expovariate(rate)
-        await asyncio.gather(*tasks)
-    else:
-        queue = list(range(workload.num_conversations))
-
-        async def worker() -> None:
-            while queue:
-                await _conversation(client, workload, docs, queue.pop(0), run)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    run.seconds = time.monotonic() - started
+    run.seconds = await run_conversations(
+        workload,
+        variant,
+        rate,
+        concurrency,
+        lambda i: _conversation(client, workload, docs, i, run),
+    )
     await client.close()
     await asyncio.sleep(1.5)  # the engines' last stats reach the front end's /metrics
     hits_after, queries_after = prefix_cache_counters(port)

@@ -1,15 +1,19 @@
 """The multi-turn shared-prefix workload of `bench/prefix_routing.py`, and its figures.
 
 Owns what every system is measured on: the conversations (documents, questions, scripted
-answers), what one replay records (`Run`), the ideal hit rate and the printed rows. It knows
-nothing of servers, clusters or policies.
+answers) and how they arrive (`run_conversations`), what one replay records (`Run`), the ideal
+hit rate and the printed rows. It knows nothing of servers, clusters or policies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.engine.block_hash import prompt_routing_keys
 
@@ -58,6 +62,41 @@ class Workload:
             answer = [rng.randrange(*TOKEN_IDS) for _ in range(self.answer_tokens)]
             history = [*history, *question, *answer]
         return prompts
+
+
+async def run_conversations(
+    workload: Workload,
+    variant: str,
+    rate: float,
+    concurrency: int,
+    conversation: Callable[[int], Coroutine[Any, Any, None]],
+) -> float:
+    """Runs `conversation(i)` for every conversation i of `workload`; returns the seconds taken.
+
+    "open-loop": conversation i starts at its arrival in a Poisson process of `rate` per
+    second (drawn from the workload's seed, so every system gets the same times), whatever is
+    in flight. "closed-loop": `concurrency` conversations at a time, in order, each followed by
+    the next at once.
+    """
+    started = time.monotonic()
+    if variant == "open-loop":
+        rng = random.Random(workload.seed)
+        tasks: list[asyncio.Task[None]] = []
+        at = 0.0
+        for i in range(workload.num_conversations):
+            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+            tasks.append(asyncio.create_task(conversation(i)))
+            at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    else:
+        queue = list(range(workload.num_conversations))
+
+        async def worker() -> None:
+            while queue:
+                await conversation(queue.pop(0))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.monotonic() - started
 
 
 @dataclass

@@ -25,30 +25,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.side_by_side import (
+    VLLM_ENV,
+    VLLM_MODEL,
+    VLLM_PYTHON,
+    alternate,
+    cpu_summary,
+    load_average,
+    require_vllm_peer,
+    run_worker,
+    serve_job,
+)
 
 if TYPE_CHECKING:  # the vLLM worker runs in vLLM's venv, without shoal's dependencies
     from shoal.client import LLM
     from shoal.engine.tokenizer import Tokenizer
 
-VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
-VLLM_MODEL = ROOT / ".bench" / "smollm2-135m"
-VLLM_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "4",
-}
 MAX_MODEL_LEN = 1024
 # The warm-up's schema: builds each side's grammar machinery without caching the measured one.
 WARM_UP_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
@@ -289,23 +290,7 @@ def vllm_round(num_requests: int, max_tokens: int) -> dict[str, Any]:
         "schema": WEATHER,
         "max_tokens": max_tokens,
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    try:
-        proc = subprocess.run(
-            [str(VLLM_PYTHON), __file__, "--worker", "vllm", "--job", f.name],
-            env={**os.environ, **VLLM_ENV},
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    finally:
-        os.unlink(f.name)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"vLLM worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_worker(__file__, "vllm", job, python=VLLM_PYTHON, env=VLLM_ENV)
 
 
 def bench_engines(
@@ -316,22 +301,22 @@ def bench_engines(
     import jsonschema
 
     llm = make_shoal_llm(path)
-    engines = ["shoal", "vllm"] if with_vllm else ["shoal"]
-    results: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    for r in range(rounds):
-        for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
-            if engine == "shoal":
-                result = shoal_round(llm, num_requests, max_tokens)
-            else:
-                result = vllm_round(num_requests, max_tokens)
-            result["num_valid"] = sum(_is_valid(t, jsonschema) for t in result.pop("texts"))
-            results[engine].append(result)
-            print(
-                f"  round {r + 1} {engine:5s} JSON schema {result['structured']:7.1f}, free "
-                f"{result['free']:7.1f} output tokens/s ({result['num_valid']}/{num_requests} "
-                f"validate; load {_load()})",
-                flush=True,
-            )
+
+    def one_round(engine: str, r: int) -> dict[str, Any]:
+        if engine == "shoal":
+            result = shoal_round(llm, num_requests, max_tokens)
+        else:
+            result = vllm_round(num_requests, max_tokens)
+        result["num_valid"] = sum(_is_valid(t, jsonschema) for t in result.pop("texts"))
+        print(
+            f"  round {r + 1} {engine:5s} JSON schema {result['structured']:7.1f}, free "
+            f"{result['free']:7.1f} output tokens/s ({result['num_valid']}/{num_requests} "
+            f"validate; load {load_average()})",
+            flush=True,
+        )
+        return result
+
+    results = alternate(["shoal", "vllm"] if with_vllm else ["shoal"], rounds, one_round)
     llm.shutdown()
     return results
 
@@ -342,24 +327,6 @@ def _is_valid(text: str, jsonschema: Any) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
-
-
-def cpu_flags() -> str:
-    """The CPU's model and its vector extensions (what both engines' kernels can use)."""
-    model, flags = "?", set()
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return f"{model}, {os.cpu_count()} cores: {' '.join(vector)}"
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -375,14 +342,14 @@ def main() -> None:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker_vllm(json.loads(Path(args.job).read_text()))))
+        serve_job(args.job, worker_vllm)
         return
-    if args.vllm and not (VLLM_PYTHON.exists() and (VLLM_MODEL / "config.json").exists()):
-        sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
+    if args.vllm:
+        require_vllm_peer()
     from shoal.engine.loader import smollm2_gguf_path
     from shoal.engine.tokenizer import load_tokenizer
 
-    print(f"CPU {cpu_flags()}; load average {_load()}")
+    print(f"CPU {cpu_summary()}; load average {load_average()}")
     path = smollm2_gguf_path()
     tokenizer = load_tokenizer(path)
     answer_ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), False)
@@ -423,7 +390,7 @@ def main() -> None:
             f"  shoal / vLLM structured throughput per round: "
             f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}x)"
         )
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

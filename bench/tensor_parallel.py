@@ -1,10 +1,21 @@
 """Tensor parallelism on the CPU: what splitting a rank over two worker processes buys and costs.
 
 Part 1, the model. A random Llama (hidden 1024, 8 layers, 16 heads / 8 KV heads, MLP 4096,
-vocab 8192: ~0.2 B parameters, float32) served by one `EngineCore`: per-step decode latency at
-batch 1 and 8, and prefill throughput over one 512-token prompt; TP=2 (two workers, one torch
-thread each) against TP=1 with two threads (the same cores) and TP=1 with one thread, taken in
-turns over several rounds.
+vocab 8192: ~0.14 B parameters, float32, a safetensors checkpoint both engines load) served by
+one `EngineCore`: per-step decode latency at batch 1 and 8, and prefill throughput over one
+512-token prompt; TP=2 (two workers, one torch thread each) against TP=1 with two threads (the
+same cores) and TP=1 with one thread. With `--vllm`, vLLM's CPU build with
+`tensor_parallel_size=2` on the same checkpoint joins them (`bench/tensor_parallel_peer.py`: one
+long-lived process of `.bench/vllm-venv`, one OpenMP thread per worker, worker i bound to core
+i, prefix caching off as on shoal's side). The setups take turns, the first rotating each
+round; the medians over the rounds are compared.
+
+Every engine is measured the same way (`tensor_parallel_peer.measure`): driven step by step,
+each token stamped when its step returns; the same prompt tokens, greedy, EOS ignored, the
+same output lengths. A decode step is (a request's last token's time - its first's) / N for
+N + 1 tokens (mean over the batch), prefill throughput 512 tokens over the time from adding
+the prompt to its token. vLLM's figures include the hops between its processes (front end,
+engine core, workers), as any vLLM user's do.
 
 Part 2, the broadcast. The per-step cost of handing the scheduler's step to the other worker,
 with an empty model step: two processes that each step only meet in one 1-element all-reduce
@@ -13,6 +24,7 @@ against the driver first writing the msgspec `StepInput` frame on the worker's p
 `MultiprocExecutor` does) or broadcasting it over gloo (length, then payload).
 
     .venv/bin/python bench/tensor_parallel.py [--steps 32] [--rounds 3] [--part model|broadcast]
+        [--vllm]    # the peer: bench/setup_vllm_peer.sh
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ from torch.distributed import TCPStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.side_by_side import TokenEvents, alternate, cpu_summary, require_vllm_peer
+from bench.tensor_parallel_peer import MAX_MODEL_LEN, Figures, VllmPeer, measure
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.model.step_input import StepInput
@@ -43,74 +57,119 @@ from tests.factories import make_tiny_checkpoint
 
 MODEL = dict(
     hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=4096,
-    vocab_size=8192, max_position_embeddings=1024,
+    vocab_size=8192, max_position_embeddings=MAX_MODEL_LEN,
 )  # fmt: skip
-PREFILL_TOKENS = 512
+MODEL_DIR = Path(tempfile.gettempdir()) / "shoal-bench-tensor-parallel"
+TP2, TP1_SAME_CORES, TP1_ONE_THREAD, VLLM_TP2 = (
+    "shoal TP=2", "shoal TP=1, 2 threads", "shoal TP=1, 1 thread", "vLLM TP=2",
+)  # fmt: skip
 
 
 def _engine(path: str, tp: int) -> EngineCore:
     config = EngineConfig.from_kwargs(
-        path, max_model_len=1024, tensor_parallel_size=tp, cpu_threads=1,
+        path, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=tp, cpu_threads=1,
         num_gpu_blocks_override=512, enable_prefix_caching=False,
     )  # fmt: skip
     return EngineCore(config)
 
 
-def _step_times(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[float]:
-    """Seconds of each step that runs `prompts` together until each has `max_tokens`."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(f"r{time.monotonic_ns()}-{i}", prompt, params))
-    times = []
-    while core.scheduler.has_unfinished_requests():
-        started = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - started)
-    return times
+class _ShoalEngine:
+    """`tensor_parallel_peer.SteppedEngine` over an `EngineCore` in this process, run with
+    `num_threads` torch threads in this process."""
+
+    def __init__(self, core: EngineCore, num_threads: int) -> None:
+        self.core = core
+        self.num_threads = num_threads
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.core.add_request(EngineCoreRequest(request_id, prompt, params))
+
+    def step(self) -> TokenEvents:
+        return [
+            (o.request_id, len(o.new_token_ids), o.finished)
+            for outputs in self.core.step().values()
+            for o in outputs.outputs
+        ]
+
+    def measure(self, steps: int) -> Figures:
+        torch.set_num_threads(self.num_threads)
+        return measure(self, steps)
 
 
-def _measure(core: EngineCore, steps: int) -> tuple[float, float, float]:
-    """(decode step ms at batch 1, at batch 8, prefill tokens/s of one 512-token prompt)."""
-    decode = []
-    for batch in (1, 8):
-        times = _step_times(core, [[7 + i] * 16 for i in range(batch)], steps + 1)
-        decode.append(statistics.median(times[1:]) * 1e3)  # after the prefill step
-    prefill = PREFILL_TOKENS / _step_times(core, [[9] * PREFILL_TOKENS], 1)[0]
-    return decode[0], decode[1], prefill
-
-
-def bench_model(steps: int, rounds: int) -> None:
-    """The three setups in turns, `rounds` times (the machine's load moves; the medians of the
-    turns are compared). One TP=1 engine serves both thread counts (set before its turn)."""
-    path = make_tiny_checkpoint(tempfile.mkdtemp(), "llama", **MODEL)  # type: ignore[arg-type]
-    print(f"model: {MODEL}, float32; {rounds} rounds of {steps} decode steps")
+def bench_model(steps: int, rounds: int, with_vllm: bool) -> None:
+    """The setups in turns, `rounds` times (the machine's load moves; the medians of the turns
+    are compared). One TP=1 engine serves both thread counts (set before its turn)."""
+    path = make_tiny_checkpoint(MODEL_DIR, "llama", **MODEL)  # type: ignore[arg-type]
+    print(f"model: {path} {MODEL}, float32; {rounds} rounds of {steps} decode steps")
     one, two = _engine(path, 1), _engine(path, 2)
-    setups = {
-        "TP=1, 1 thread": (one, 1),
-        "TP=1, 2 threads": (one, 2),
-        "TP=2, 1 thread/worker": (two, 1),
+    shoal = {
+        TP1_ONE_THREAD: _ShoalEngine(one, 1),
+        TP1_SAME_CORES: _ShoalEngine(one, 2),
+        TP2: _ShoalEngine(two, 1),
     }
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in setups}
+    setups: dict[str, _ShoalEngine | VllmPeer] = dict(shoal)
+    peer = None
     try:
-        for core in (one, two):
-            _step_times(core, [[5] * 16], 4)  # warm-up
-        for _ in range(rounds):
-            for name, (core, threads) in setups.items():
-                torch.set_num_threads(threads)
-                results[name].append(_measure(core, steps))
+        for name in (TP1_SAME_CORES, TP2):
+            shoal[name].measure(4)  # warm-up, as the peer's
+        if with_vllm:
+            log = MODEL_DIR / "vllm.log"
+            print(f"starting vLLM with tensor_parallel_size=2 (log {log})", flush=True)
+            peer = VllmPeer(path, 2, log, start_timeout_s=1800)
+            setups[VLLM_TP2] = peer
+
+        def turn(name: str, round_index: int) -> Figures:
+            figures = setups[name].measure(steps)
+            print(
+                f"  round {round_index + 1} {name:<22} decode b=1 {figures.decode_b1_ms:7.2f} ms,"
+                f" b=8 {figures.decode_b8_ms:7.2f} ms, prefill "
+                f"{figures.prefill_tokens_per_s:6.0f} tok/s (load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
+            return figures
+
+        results = alternate(list(setups), rounds, turn)
     finally:
         one.shutdown()
         two.shutdown()
-    print(f"{'setup':<24}{'decode b=1 ms':>14}{'decode b=8 ms':>14}{'prefill tok/s':>15}")
-    medians = {
-        n: [statistics.median(r[i] for r in runs) for i in range(3)] for n, runs in results.items()
-    }
-    for name, (b1, b8, prefill) in medians.items():
-        print(f"{name:<24}{b1:>14.2f}{b8:>14.2f}{prefill:>15.0f}")
-    tp2, same = medians["TP=2, 1 thread/worker"], medians["TP=1, 2 threads"]
-    print(
-        f"TP=2 vs TP=1 on the same 2 threads: decode b=1 {tp2[0] / same[0]:.2f}x, "
-        f"b=8 {tp2[1] / same[1]:.2f}x the step time; prefill {tp2[2] / same[2]:.2f}x the throughput"
+        if peer is not None:
+            peer.close()
+    _report(results)
+
+
+def _median(runs: list[Figures]) -> Figures:
+    return Figures(
+        statistics.median(f.decode_b1_ms for f in runs),
+        statistics.median(f.decode_b8_ms for f in runs),
+        statistics.median(f.prefill_tokens_per_s for f in runs),
+    )
+
+
+def _report(results: dict[str, list[Figures]]) -> None:
+    print(f"{'setup (median)':<24}{'decode b=1 ms':>14}{'decode b=8 ms':>14}{'prefill tok/s':>15}")
+    medians = {name: _median(runs) for name, runs in results.items()}
+    for name, m in medians.items():
+        print(
+            f"{name:<24}{m.decode_b1_ms:>14.2f}{m.decode_b8_ms:>14.2f}{m.prefill_tokens_per_s:>15.0f}"
+        )
+    tp2 = medians[TP2]
+    for other, target in ((TP1_SAME_CORES, " (target <= 0.7x at b=1)"), (TP1_ONE_THREAD, "")):
+        print(f"{TP2} / {other}: {_ratios(tp2, medians[other])}{target}")
+    if VLLM_TP2 in medians:
+        print(f"{TP2} / {VLLM_TP2}: {_ratios(tp2, medians[VLLM_TP2])} (target <= 1.2x at b=1)")
+        paired = [
+            a.decode_b1_ms / b.decode_b1_ms
+            for a, b in zip(results[TP2], results[VLLM_TP2], strict=True)
+        ]
+        print(f"  decode b=1 step, shoal / vLLM per round: {', '.join(f'{x:.2f}' for x in paired)}")
+
+
+def _ratios(ours: Figures, theirs: Figures) -> str:
+    return (
+        f"decode step b=1 {ours.decode_b1_ms / theirs.decode_b1_ms:.2f}x, "
+        f"b=8 {ours.decode_b8_ms / theirs.decode_b8_ms:.2f}x the time; prefill "
+        f"{ours.prefill_tokens_per_s / theirs.prefill_tokens_per_s:.2f}x the throughput"
     )
 
 
@@ -169,32 +228,22 @@ def bench_broadcast(iters: int) -> None:
         print(f"  {label:<20}{results[mode]:>8.0f}{extra}")
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "?"
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "?"
-    )
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
-    )
-    simd = [f for f in flags if f.startswith(("avx512", "avx2", "amx")) or f == "fma"]
-    return f"{model}; {' '.join(sorted(simd)[:8])}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--part", choices=("model", "broadcast"))
+    parser.add_argument(
+        "--vllm", action="store_true", help="also vLLM's CPU build with tensor_parallel_size=2"
+    )
     args = parser.parse_args()
-    print(f"cpu: {_cpu_flags()}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}")
+    if args.vllm:
+        require_vllm_peer(with_model=False)
+    print(f"cpu: {cpu_summary()}; load {os.getloadavg()[0]:.2f}")
     if args.part in (None, "broadcast"):
         bench_broadcast(max(200, 10 * args.steps))
     if args.part in (None, "model"):
-        bench_model(args.steps, args.rounds)
+        bench_model(args.steps, args.rounds, args.vllm)
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

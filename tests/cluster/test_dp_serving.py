@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from shoal.client import AsyncLLM
 from shoal.client.cluster_link import ClusterLink
@@ -25,10 +23,10 @@ from shoal.engine.protocol import EngineCoreRequest
 from tests.cluster.dp_cluster import (
     ENGINE_KWARGS,
     LOCAL_RANKS,
+    cluster_fixtures,
     dp_client,
     final,
     greedy,
-    launch_dp_cluster,
 )
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
@@ -36,18 +34,7 @@ from tests.ray_utils import unique_namespace
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_local: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
-    handle = launch_dp_cluster(tmp_path_factory, "dp")
-    yield handle
-    handle.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def llm(cluster: ClusterHandle) -> AsyncIterator[AsyncLLM]:
-    engine = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="test driver")
-    yield engine
-    await engine.aclose()
+cluster, llm = cluster_fixtures("dp")
 
 
 async def test_new_requests_avoid_the_rank_busy_with_a_long_request(llm: AsyncLLM) -> None:

@@ -14,10 +14,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import pytest_asyncio
 import ray
 
 from shoal.actors.membership import RankState
@@ -27,25 +25,14 @@ from shoal.client.outputs import RequestOutput
 from shoal.cluster.launch import ClusterHandle
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import DPStatsSnapshot
-from tests.cluster.dp_cluster import dp_client, final, greedy, launch_dp_cluster
+from tests.cluster.dp_cluster import cluster_fixtures, dp_client, final, greedy
 from tests.pausable_driver import ALL_OK, pause_and_resume
 from tests.ray_utils import ray_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_local: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
-    handle = launch_dp_cluster(tmp_path_factory, "restarts")
-    yield handle
-    handle.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def llm(cluster: ClusterHandle) -> AsyncIterator[AsyncLLM]:
-    engine = await AsyncLLM.connect(cluster.namespace, host="127.0.0.1", name="test driver")
-    yield engine
-    await engine.aclose()
+cluster, llm = cluster_fixtures("restarts")
 
 
 async def test_a_restarted_coordinator_keeps_its_addresses_and_subscribers(
