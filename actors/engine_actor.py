@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import ray
 from ray.actor import ActorProxy
 
-from shoal.actors.membership import Membership, registration_token
+from shoal.actors.membership import Membership, RankWorker, registration_token
 from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
+from shoal.actors.tp_worker import worker_launcher
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.core_proc import EngineCoreProc
 from shoal.engine.core.curve import CurveKeyPair, EngineKeys
@@ -108,6 +109,7 @@ class EngineCoreActor:
             rendezvous=_ep_rendezvous(registry, config, node_ip, start.group_name, rank),
             keys=keys,
             joining=start.joining,
+            worker_launcher=worker_launcher(),
         )
         self.endpoint: EngineEndpoint = self.proc.endpoint
         self._busy_loop = threading.Thread(
@@ -121,7 +123,7 @@ class EngineCoreActor:
         try:
             self.incarnation: int = ray.get(
                 registry.register_engine.remote(
-                    self.endpoint, node_ip, registration_token(own_keys)
+                    self.endpoint, node_ip, registration_token(own_keys), self._workers(node_ip)
                 )
             )
             # Clients that attached while this rank was starting: from now on the registry
@@ -139,6 +141,15 @@ class EngineCoreActor:
             self.endpoint.input_address,
             self.incarnation,
         )
+
+    def _workers(self, node_ip: str) -> list[RankWorker]:
+        """This incarnation's worker processes: the engine's own and its TP workers, which
+        run on this node."""
+        node_id = ray.get_runtime_context().get_node_id()
+        return [
+            RankWorker(w.tp_rank, w.pid, w.device, node_ip, node_id)
+            for w in self.proc.engine_core.executor.describe_workers()
+        ]
 
     def _run_busy_loop(self) -> None:
         try:

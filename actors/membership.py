@@ -27,6 +27,26 @@ class RankState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class RankWorker:
+    """One worker process of a rank's incarnation, as its engine actor registered it: one per
+    device (a tensor-parallel rank has several, all on the actor's node).
+
+    Attributes:
+        tp_rank: its rank in the rank's TP group (0: the driver, in the actor's own process).
+        pid: its process on `node_ip`.
+        device: its device, as the worker saw it ("cpu", "cuda:1 (GPU 5)").
+        node_ip: its node's address.
+        node_id: its node's Ray id.
+    """
+
+    tp_rank: int
+    pid: int
+    device: str
+    node_ip: str
+    node_id: str
+
+
+@dataclass(frozen=True)
 class RankInfo:
     """One rank as the registry sees it.
 
@@ -45,6 +65,8 @@ class RankInfo:
     # The digest of the token its engine actor registers with (`registration_token`): a
     # registration without that token is refused. Empty: the rank was planned without one.
     registration_digest: bytes = b""
+    # The registered incarnation's workers, TP rank order (none while it is not serving).
+    workers: tuple[RankWorker, ...] = ()
 
     @property
     def is_routable(self) -> bool:

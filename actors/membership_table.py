@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState, RankWorker
 from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import EngineEndpoint
 
@@ -142,7 +142,13 @@ class MembershipTable:
         return self.bump()
 
     def register(
-        self, endpoint: EngineEndpoint, node_ip: str, registration_token: bytes, *, joining: bool
+        self,
+        endpoint: EngineEndpoint,
+        node_ip: str,
+        registration_token: bytes,
+        *,
+        joining: bool,
+        workers: tuple[RankWorker, ...] = (),
     ) -> int:
         """An engine bound its sockets: its rank serves (see `RegistryActor.register_engine`).
 
@@ -152,6 +158,7 @@ class MembershipTable:
             registration_token: the token its actor registers with.
             joining: the rank was started by a resize that has not committed: it turns
                 JOINING, not READY.
+            workers: its worker processes.
 
         Returns:
             The rank's new incarnation number.
@@ -177,7 +184,14 @@ class MembershipTable:
             self._record_failure(rank)
         incarnation = info.incarnation + 1
         self.set_rank(
-            replace(info, state=state, incarnation=incarnation, endpoint=endpoint, node_ip=node_ip)
+            replace(
+                info,
+                state=state,
+                incarnation=incarnation,
+                endpoint=endpoint,
+                node_ip=node_ip,
+                workers=workers,
+            )
         )
         self.bump()
         return incarnation
@@ -197,7 +211,7 @@ class MembershipTable:
     def mark_dead(self, rank: int, identity: bytes) -> None:
         """Marks a rank DEAD if `identity` is still its serving incarnation."""
         if self.is_serving(rank, identity):
-            self.set_rank(replace(self._state.ranks[rank], state=RankState.DEAD))
+            self.set_rank(replace(self._state.ranks[rank], state=RankState.DEAD, workers=()))
             self._record_failure(rank)
             self.bump()
 

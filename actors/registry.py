@@ -26,6 +26,7 @@ watched: a lost node takes both).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Coroutine
@@ -36,7 +37,7 @@ from ray.actor import ActorProxy
 
 from shoal.actors.data_plane import DataPlane
 from shoal.actors.engine_liveness import ENGINE_PROBE_TIMEOUT_S, RankLiveness
-from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState
+from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState, RankWorker
 from shoal.actors.membership_table import CLIENT_TIMEOUT_S, MembershipTable
 from shoal.actors.registry_resizes import Resizes
 from shoal.actors.registry_state import RegistryState, StateStore
@@ -109,9 +110,14 @@ class RegistryActor:
 
     @ray.method
     async def register_engine(
-        self, endpoint: EngineEndpoint, node_ip: str, registration_token: bytes
+        self,
+        endpoint: EngineEndpoint,
+        node_ip: str,
+        registration_token: bytes,
+        workers: list[RankWorker],
     ) -> int:
-        """Called by an engine actor once its sockets are bound (again after every restart).
+        """Called by an engine actor once its sockets are bound (again after every restart),
+        with its worker processes (`shoal status` shows them).
 
         The rank becomes READY (a LEAVING rank stays LEAVING, and a rank that an
         expert-parallel resize started is JOINING until the resize commits) and its actor is
@@ -128,7 +134,9 @@ class RegistryActor:
         """
         rank = endpoint.engine_index
         joining = self._resizes.joins_on_commit(rank)
-        incarnation = self._table.register(endpoint, node_ip, registration_token, joining=joining)
+        incarnation = self._table.register(
+            endpoint, node_ip, registration_token, joining=joining, workers=tuple(workers)
+        )
         self._liveness.watch(rank, self._table.rank(rank).actor_name, endpoint.identity)
         if endpoint.public_key:  # its stats reports are taken from now on
             await self._data_plane.admit_engine(rank, endpoint.public_key)
@@ -296,6 +304,8 @@ class RegistryActor:
                     "node_ip": r.node_ip,
                     "address": r.endpoint.input_address if r.endpoint else None,
                     "actor_name": r.actor_name,
+                    "placement_group": r.placement_group_name,
+                    "workers": [dataclasses.asdict(w) for w in r.workers],
                 }
                 for r in self._table.ranks()
             ],

@@ -1,6 +1,7 @@
 """Placement groups, one per engine rank: GPU bundles on GPU nodes, CPU bundles in tests.
 
-A rank's single bundle is STRICT_PACK (a rank never spans nodes). Across ranks, "pack" fills
+A rank holds one bundle per worker process (one; or its tensor-parallel workers, one device
+each: `shoal.actors.tp_worker`), STRICT_PACK: a rank never spans nodes. Across ranks, "pack" fills
 one node before the next and "spread" deals ranks round-robin over the nodes that fit them;
 both are soft targets given to Ray, which still places a rank wherever it fits if the target
 cannot be honoured. Knows nothing of actors or the registry.
@@ -27,7 +28,8 @@ PlacementStrategy = Literal["pack", "spread"]
 
 @dataclass(frozen=True)
 class RankResources:
-    """What one rank reserves: its CPUs and GPUs, in one bundle on one node."""
+    """What one rank reserves on one node: its CPUs and GPUs, split evenly over its workers'
+    bundles."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -41,6 +43,10 @@ class RankResources:
         if self.num_gpus:
             bundle["GPU"] = self.num_gpus
         return bundle
+
+    def worker_bundles(self, workers: int) -> list[dict[str, float]]:
+        """One bundle per worker, each an equal share of the rank's resources."""
+        return [{name: amount / workers for name, amount in self.bundle().items()}] * workers
 
     def fits_on(self, node_resources: Mapping[str, float]) -> int:
         """How many ranks a node with these total resources holds."""
@@ -106,10 +112,12 @@ def create_rank_placement_group(
     *,
     target_node_id: str | None = None,
     detached: bool = False,
+    workers: int = 1,
 ) -> PlacementGroup:
-    """Creates (without waiting for it) the placement group of one rank."""
+    """Creates (without waiting for it) the placement group of one rank of `workers`
+    processes: its engine's actor takes bundle 0, its other TP workers one bundle each."""
     return placement_group(
-        [resources.bundle()],
+        resources.worker_bundles(workers),
         strategy="STRICT_PACK",
         name=placement_group_name(namespace, rank),
         lifetime="detached" if detached else None,

@@ -121,8 +121,8 @@ def default_resources(tensor_parallel_size: int = 1) -> RankResources:
 def check_rank_resources(config: EngineConfig, resources: RankResources) -> None:
     """Refuses GPUs per rank that do not give each tensor-parallel worker its own GPU.
 
-    A rank's workers are its engine's child processes: they share the one bundle the engine
-    actor reserves, so a rank of N workers reserves N GPUs (none: CPU workers).
+    A rank of N workers reserves N bundles, one GPU each (none: CPU workers), so a rank's GPU
+    count must be N.
 
     Raises:
         ValueError: a rank with GPUs and more than one worker whose GPU count is not the TP size.
@@ -148,7 +148,7 @@ def add_ranks(
     """
     ranks = list(ranks)
     start = time.monotonic()
-    groups = _place(handle, ranks, options)
+    groups = _place(handle, ranks, options, config.parallel.tensor_parallel_size)
     for rank, group in groups.items():
         # The rank's key pair, made here and kept in its constructor's arguments (a restarted
         # rank has the same one): the coordinator admits it before the engine first connects,
@@ -190,9 +190,10 @@ def add_ranks(
 
 
 def _place(
-    handle: ClusterHandle, ranks: list[int], options: LaunchOptions
+    handle: ClusterHandle, ranks: list[int], options: LaunchOptions, workers: int
 ) -> dict[int, PlacementGroup]:
-    """Reserves one placement group per rank and waits until all are placed.
+    """Reserves one placement group per rank (a bundle per worker) and waits until all are
+    placed.
 
     Raises:
         ray.exceptions.GetTimeoutError: a rank found no room within `options.ready_timeout_s`.
@@ -215,6 +216,7 @@ def _place(
         handle.namespace,
         dict(zip(ranks, targets, strict=True)),
         options,
+        workers,
     )
     placed = {rank: group.ready() for rank, group in groups.items()}
     _, unplaced = ray.wait(list(placed.values()), num_returns=len(placed), timeout=timeout_s)
@@ -239,7 +241,7 @@ def _as_owner(
 
 
 def _create_placement_groups(
-    namespace: str, targets: dict[int, str | None], options: LaunchOptions
+    namespace: str, targets: dict[int, str | None], options: LaunchOptions, workers: int
 ) -> dict[int, PlacementGroup]:
     return {
         rank: create_rank_placement_group(
@@ -248,6 +250,7 @@ def _create_placement_groups(
             options.resources,
             target_node_id=target,
             detached=options.detached,
+            workers=workers,
         )
         for rank, target in targets.items()
     }
@@ -267,11 +270,14 @@ def _create_engine_actor(
             name=engine_actor_name(rank),
             namespace=namespace,
             lifetime="detached" if options.detached else None,
-            num_cpus=options.resources.num_cpus,
-            num_gpus=options.resources.num_gpus,
+            # Bundle 0: the driver worker's share (`shoal.actors.tp_worker` puts the others).
+            num_cpus=group.bundle_specs[0].get("CPU", 0.0),
+            num_gpus=group.bundle_specs[0].get("GPU", 0.0),
             max_restarts=ENGINE_MAX_RESTARTS,
             max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0
+            ),
         )
         .remote(config, rank, namespace, options.host, rank_keys)
     )

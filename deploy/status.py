@@ -1,5 +1,6 @@
-"""`shoal status`: the cluster's ranks, their load and cache, resizes, expert placement and
-attached clients, as a table or as JSON."""
+"""`shoal status`: the cluster's ranks, their load and cache (and, under tensor parallelism,
+each rank's placement group and workers), resizes, expert placement and attached clients, as
+a table or as JSON."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def format_status(status: dict[str, Any]) -> str:
             f"{load.get('num_cached_blocks', '-'):>8}{_hit_rate(load):>8}"
             f"  {rank['address'] or '-'}"
         )
+        if status.get("tensor_parallel_size", 1) > 1:
+            lines += _worker_lines(rank)
     lines.append("")
     lines += _failure_lines(status.get("rank_failures", []))
     lines += scale.scale_status_lines(status)
@@ -68,6 +71,17 @@ def format_status(status: dict[str, Any]) -> str:
             f"  (attached {now - client['attached_at']:.0f} s ago)"
         )
     return "\n".join(lines)
+
+
+def _worker_lines(rank: dict[str, Any]) -> list[str]:
+    """A tensor-parallel rank's placement group and its workers: TP rank, pid, device, node."""
+    lines = [f"     placement group {rank.get('placement_group', '-')}"]
+    for w in rank.get("workers", []):
+        lines.append(
+            f"     TP {w['tp_rank']:<3}pid {w['pid']:<8}{w['device']:<18}"
+            f"node {w['node_ip']} ({w['node_id'][:12]})"
+        )
+    return lines
 
 
 # `shoal status` counts the rank failures of this last stretch.

@@ -48,6 +48,7 @@ from shoal.engine.core.work_items import (
     Wake,
 )
 from shoal.engine.kv_events import with_kv_events
+from shoal.engine.model.tp_links import WorkerLauncher
 from shoal.engine.parallel.distributed import Rendezvous
 from shoal.engine.parallel.dp_wave import PAUSED_POLL_S, DPWave, make_dp_wave
 from shoal.engine.parallel.elastic import RECONFIGURED, ScaleNotice, ScalePlan
@@ -109,6 +110,7 @@ class EngineCoreProc:
             (`shoal.engine.core.elastic_rank`).
         max_connections: past this many connections to the input socket, a handshake is
             refused unless it proves a cluster key (`shoal.engine.core.connection_gate`).
+        worker_launcher: starts a tensor-parallel rank's other workers (`EngineCore`).
 
     Raises:
         ModelLoadError, ValueError: from `EngineCore`.
@@ -128,14 +130,16 @@ class EngineCoreProc:
         keys: EngineKeys | None = None,
         joining: ScalePlan | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        worker_launcher: WorkerLauncher | None = None,
     ) -> None:
         self.engine_index = engine_index
-        self.engine_core = EngineCore(config, engine_index=engine_index)
+        self.engine_core = EngineCore(
+            config, engine_index=engine_index, worker_launcher=worker_launcher
+        )
         executor = self.engine_core.executor
         self._wave = make_dp_wave(
-            executor.expert_parallel,
+            executor.expert_workers,
             rendezvous,
-            device=executor.device,
             timeout_s=config.parallel.collective_timeout_s,
             join=joining is None,
         )
@@ -299,9 +303,9 @@ class EngineCoreProc:
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.step_started()
-        num_forwards = wave.expert_parallel.num_forwards
+        num_forwards = wave.experts.num_forwards
         outputs = core.step()
-        if wave.expert_parallel.num_forwards == num_forwards:
+        if wave.experts.num_forwards == num_forwards:
             wave.run_dummy_forward()
         wave.end_turn(core.has_unfinished_requests(), elastic.ready_epoch())
         if watchdog is not None:
@@ -464,7 +468,7 @@ class EngineCoreProc:
         if self._watchdog is not None:
             self._watchdog.stop()
         if self._wave is not None:  # first: peers blocked in a collective with us fail now
-            self._wave.leave()
+            self._wave.abandon()
         self._input_thread.stop()
         self._input_thread.join(timeout=5)
         # Clients attached after the loop's last turn still get their PUSH and the notice.

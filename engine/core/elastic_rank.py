@@ -103,7 +103,9 @@ class ElasticRank:
                 raise ScaleRefusedError(
                     f"rank {self.rank} is in resize {pending.plan.epoch} already"
                 )
-            self._pending = self._track(PendingScale(plan, lambda: self._stage(plan)))
+            self._pending = self._track(
+                PendingScale(plan, lambda: self._stage(plan), discard=self._discard_stage)
+            )
 
     def request_switch(self, epoch: int) -> None:
         """STAGING → READY once staged: the rank may agree on the switch."""
@@ -162,7 +164,7 @@ class ElasticRank:
             return None
         placement = ExpertPlacement(plan.expert_to_rank, plan.num_ranks)
         start = time.monotonic()
-        staged = wave.expert_parallel.stage(placement, self.rank, self.model_path)
+        staged = wave.experts.stage(placement, self.rank, self.model_path)
         logger.info(
             "rank %d staged experts %s for resize %d in %.2f s",
             self.rank,
@@ -171,6 +173,11 @@ class ElasticRank:
             time.monotonic() - start,
         )
         return staged
+
+    def _discard_stage(self, staged: object) -> None:
+        """Drops a stage that will not be committed, in every worker that holds part of it."""
+        if self.wave is not None and isinstance(staged, StagedExperts):
+            self.wave.experts.discard(staged)
 
     # --- the busy loop -------------------------------------------------------------------------
 
@@ -237,11 +244,11 @@ class ElasticRank:
             )
         plan, start = pending.plan, time.monotonic()
         staged = pending.staged
-        expert_parallel = wave.expert_parallel
+        experts = wave.experts
 
         def commit() -> None:
             if isinstance(staged, StagedExperts):
-                expert_parallel.commit(staged)
+                experts.commit(staged)
 
         outcome, detail = wave.switch(plan, commit)
         if outcome == SwitchOutcome.LEFT:

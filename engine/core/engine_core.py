@@ -16,6 +16,7 @@ from shoal.engine.core.rate_limit import LogRateLimiter
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
 from shoal.engine.model.executor import Executor, make_executor
+from shoal.engine.model.tp_links import WorkerLauncher
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.protocol import (
     EngineCoreOutput,
@@ -60,19 +61,29 @@ class EngineCore:
     Args:
         config: the engine's configuration.
         engine_index: this rank's index, stamped on every `EngineCoreOutputs`.
+        worker_launcher: starts a tensor-parallel rank's other workers (default: children of
+            this process).
 
     Raises:
         ModelLoadError: when the checkpoint cannot be loaded.
         ValueError: for an impossible configuration (context length, KV budget).
     """
 
-    def __init__(self, config: EngineConfig, *, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_index: int = 0,
+        worker_launcher: WorkerLauncher | None = None,
+    ) -> None:
         self.config = config
         self.engine_index = engine_index
         path = config.model.model
         self.arch = load_model_arch(path)
         self.max_model_len = resolve_max_model_len(config.model.max_model_len, self.arch)
-        self.executor: Executor = make_executor(config, self.arch, max_model_len=self.max_model_len)
+        self.executor: Executor = make_executor(
+            config, self.arch, max_model_len=self.max_model_len, worker_launcher=worker_launcher
+        )
         self.executor.load_model()
         self.num_kv_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)

@@ -17,13 +17,10 @@ import torch
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.model.executor_base import Executor
-from shoal.engine.model.worker import Worker
+from shoal.engine.model.tp_links import WorkerLauncher
+from shoal.engine.model.worker import Worker, WorkerInfo
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.parallel.expert_parallel import (
-    ExpertParallel,
-    ExpertPlacement,
-    check_expert_parallel,
-)
+from shoal.engine.parallel.expert_parallel import make_expert_parallel
 from shoal.engine.parallel.tensor_parallel import check_tensor_parallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -38,14 +35,18 @@ class UniProcExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> None:
-        self.expert_parallel = make_expert_parallel(config, arch)
+        expert_parallel = make_expert_parallel(config, arch)
+        self.expert_workers = expert_parallel  # one worker: its side is the rank's
         self.worker = Worker(
-            config, arch, max_model_len=max_model_len, expert_parallel=self.expert_parallel
+            config, arch, max_model_len=max_model_len, expert_parallel=expert_parallel
         )
 
     @property
     def device(self) -> torch.device:
         return self.worker.device
+
+    def describe_workers(self) -> list[WorkerInfo]:
+        return [self.worker.info()]
 
     def load_model(self) -> None:
         self.worker.load_model()
@@ -63,38 +64,25 @@ class UniProcExecutor(Executor):
         return [self.worker.call(method, tuple(args))]
 
 
-def make_executor(config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> Executor:
-    """The executor for `config`: one in-process worker, or one per device under TP.
+def make_executor(
+    config: EngineConfig,
+    arch: ModelArch,
+    *,
+    max_model_len: int,
+    worker_launcher: WorkerLauncher | None = None,
+) -> Executor:
+    """The executor for `config`: one in-process worker, or one per device under TP, started
+    by `worker_launcher` (default: spawned children of this process).
 
     Raises:
         ValueError: a TP size the model cannot be split by (before any process starts), or
-            tensor parallelism together with expert parallelism (not built).
+            expert parallelism the model cannot be split by (`make_expert_parallel`).
     """
     tp = config.parallel.tensor_parallel_size
     check_tensor_parallel(arch, tp)
     if tp == 1:
         return UniProcExecutor(config, arch, max_model_len=max_model_len)
-    if config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1:
-        raise ValueError(
-            "tensor parallelism inside expert-parallel ranks is not supported; use "
-            "tensor_parallel_size 1 with enable_expert_parallel"
-        )
+    make_expert_parallel(config, arch)  # its refusals, before any process starts
     from shoal.engine.model.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, arch, max_model_len=max_model_len)
-
-
-def make_expert_parallel(config: EngineConfig, arch: ModelArch) -> ExpertParallel | None:
-    """This rank's expert-parallel context when `config` asks for expert parallelism.
-
-    Raises:
-        ValueError: expert parallelism on a dense model, or over more ranks than experts.
-    """
-    parallel = config.parallel
-    if not parallel.enable_expert_parallel:
-        return None
-    check_expert_parallel(arch, parallel.data_parallel_size)
-    if parallel.data_parallel_size == 1:
-        return None  # one rank holds every expert: nothing to exchange
-    placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
-    return ExpertParallel(placement, parallel.data_parallel_rank)
+    return MultiprocExecutor(config, arch, max_model_len=max_model_len, launcher=worker_launcher)

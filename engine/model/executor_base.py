@@ -8,20 +8,29 @@ from typing import Any
 
 import torch
 
-from shoal.engine.parallel.expert_parallel import ExpertParallel
+from shoal.engine.model.worker import WorkerInfo
+from shoal.engine.parallel.expert_parallel import ExpertWorkers
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
     """The engine core's one handle on its workers."""
 
-    # This rank's expert-parallel context (MoE under --enable-expert-parallel), else None.
-    expert_parallel: ExpertParallel | None = None
+    # This rank's sides of the MoE exchange, one per worker (MoE under
+    # --enable-expert-parallel over several ranks), else None: how the DP waves and resizes
+    # reach every worker.
+    expert_workers: ExpertWorkers | None = None
 
     @property
     @abstractmethod
     def device(self) -> torch.device:
         """The device of the worker whose outputs the engine core reads (the driver worker)."""
+
+    @abstractmethod
+    def describe_workers(self) -> list[WorkerInfo]:
+        """Each worker's TP rank, process and device, the driver's first. Fixed once the
+        executor is built (a worker that ends ends the rank), so it is safe from any thread.
+        """
 
     @abstractmethod
     def load_model(self) -> None:

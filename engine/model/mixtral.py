@@ -7,6 +7,8 @@ tokens through the exchange (`shoal.engine.parallel.expert_parallel`), which sum
 a resize, `MixtralExperts.stage` / `commit` re-shard a layer to another set of experts. Under
 tensor parallelism every worker holds a block of each expert's width (gate/up column-parallel,
 down row-parallel) and the layer's output is summed by one all-reduce; the router is replicated.
+Under both, each worker exchanges with the same TP index of the other ranks first, and the
+all-reduce then sums the width blocks of what the exchange returned.
 """
 
 from __future__ import annotations
@@ -305,7 +307,11 @@ class MixtralMoE(FeedForward):
             out = self.route_and_compute(x)
         else:
             out = self.expert_parallel.exchange(x, self.route_and_compute)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        if self.tp is None or out.shape[0] == 0:
+            # No rows (a dummy forward): nothing to sum, and every TP worker of the rank
+            # skips alike (they run the same batch).
+            return out
+        return self.tp.all_reduce(out)
 
     def route_and_compute(self, x: torch.Tensor) -> torch.Tensor:
         """This module's experts' share of the MoE output for tokens `x`."""

@@ -1,23 +1,30 @@
 """`MultiprocExecutor`: a tensor-parallel rank's workers behind the `Executor` interface — the
 driver worker (TP rank 0) in the engine's own process, one process for each other worker.
 
-Protocol. At start the driver serves a `TCPStore` on a free local port and spawns workers
-1..N-1, handing each its TP rank, the store's address and two one-way pipes (calls in, replies
-out). Every worker and the driver join the TP group over the store (`ProcessGroups`: gloo on
-CPU, NCCL on CUDA) and build their runner at their shard's sizes; each worker then answers
-READY (or the error that stopped it) on its reply pipe. After that every executor call is:
+Protocol. At start the driver serves a `TCPStore` on a free local port and has its
+`WorkerLauncher` (`shoal.engine.model.tp_links`) start workers 1..N-1, handing each its TP rank,
+its device, the store's address and a link to the driver: pipes to a spawned child, or a
+loopback ZMQ socket to a worker a Ray placement group holds in a bundle of its own. Every worker
+and the driver join the TP group over the store (`ProcessGroups`: gloo on CPU, NCCL on CUDA)
+and build their runner at their shard's sizes; each worker then answers READY (its
+`WorkerInfo`: TP rank, pid, device; or the error that stopped it) on its link. After that
+every executor call is:
 
 1. the driver writes one `WorkerCall` frame (msgspec; nothing is pickled) to every worker: a
-   STEP (the step's `StepInput`), a CALL (a worker method: load, size or bind the KV cache; or a
-   public runner method for `collective_rpc`) or SHUTDOWN;
+   STEP (the step's `StepInput`), a CALL (a worker method: load, size or bind the KV cache; the
+   MoE exchange's groups, dummy forwards and staged experts under expert parallelism
+   (`shoal.engine.model.tp_experts`); or a public runner method for `collective_rpc`) or
+   SHUTDOWN;
 2. the driver runs the same call itself; a step's collectives keep the workers in lockstep;
 3. a STEP is not answered: only the driver samples, and only its output comes back. A CALL is
    answered by one `WorkerReply` per worker, read in rank order.
 
-The pipes are local (`multiprocessing.Pipe` carrying raw bytes): a worker blocks on its call
-pipe while the rank is idle, without a timeout, and ends when the pipe closes (the driver's
-process is gone). Measured against a gloo broadcast of the same frame, see
-`bench/tensor_parallel.py`.
+Calls may come from several threads (a resize stages experts beside the busy loop): a lock
+keeps each call's frames and replies, and each step's frames, together on the links.
+
+A worker blocks on its link while the rank is idle, without a timeout, and ends when the driver
+is gone (its pipe closes, or its process exits). The link's frame handoff is measured against a
+gloo broadcast of the same frame in `bench/tensor_parallel.py`.
 
 Failure: a monitor thread watches the worker processes. One that exits while the executor is
 open ends the engine's process (SIGTERM, then `os._exit` after a grace period), so the rank goes
@@ -31,16 +38,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from functools import partial
+from multiprocessing.connection import wait
 from typing import Any
 
 import msgspec
@@ -51,9 +56,12 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.model.executor_base import Executor
 from shoal.engine.model.model_runner import resolve_device
 from shoal.engine.model.step_input import StepInput, plan_step
-from shoal.engine.model.worker import Worker
+from shoal.engine.model.tp_experts import TPExpertWorkers
+from shoal.engine.model.tp_links import DriverLink, SpawnLauncher, WorkerLauncher, WorkerLink
+from shoal.engine.model.worker import Worker, WorkerInfo
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
+from shoal.engine.parallel.expert_parallel import make_expert_parallel
 from shoal.engine.parallel.tensor_parallel import TensorParallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -68,7 +76,20 @@ _DEATH_EXIT_S = 3.0
 
 STEP, CALL, SHUTDOWN = 0, 1, 2
 # CALL targets: the worker's own lifecycle, or (collective_rpc) its model runner.
-_WORKER_METHODS = ("load_model", "determine_num_blocks", "initialize_kv_cache")
+_WORKER_METHODS = (
+    "load_model",
+    "determine_num_blocks",
+    "initialize_kv_cache",
+    # the MoE exchange under expert parallelism (`TPExpertWorkers`)
+    "join_expert_groups",
+    "bind_expert_groups",
+    "leave_expert_groups",
+    "run_dummy_forward",
+    "start_staging_experts",
+    "is_staging_done",
+    "commit_staged_experts",
+    "drop_staged_experts",
+)
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -112,7 +133,14 @@ class MultiprocExecutor(Executor):
         GroupJoinError: the TP group did not form.
     """
 
-    def __init__(self, config: EngineConfig, arch: ModelArch, *, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        *,
+        max_model_len: int,
+        launcher: WorkerLauncher | None = None,
+    ) -> None:
         self.size = config.parallel.tensor_parallel_size
         assert self.size > 1, "one worker runs in-process (UniProcExecutor)"
         timeout_s = config.parallel.collective_timeout_s
@@ -123,44 +151,43 @@ class MultiprocExecutor(Executor):
             threads = max(1, torch.get_num_threads() // self.size)
             config = replace(config, model=replace(config.model, cpu_threads=threads))
         self._is_closing = False
+        # One frame sequence at a time on the links: a call's frames and replies, or a step's.
+        self._lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
         self._store = TCPStore(
             "127.0.0.1", 0, None, True, timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
         )
         rendezvous = Rendezvous("127.0.0.1", self._store.port, group_name="tp")
-        context = multiprocessing.get_context("spawn")
-        self._calls: list[Connection] = []
-        self._replies: list[Connection] = []
-        self.processes: list[BaseProcess] = []
-        for rank in range(1, self.size):
-            call_reader, call_writer = context.Pipe(duplex=False)
-            reply_reader, reply_writer = context.Pipe(duplex=False)
-            process = context.Process(
-                target=run_worker,
-                args=(config, arch, max_model_len, rank, rendezvous, call_reader, reply_writer),
-                name=f"ShoalTPWorker-{rank}",
-                # Not daemonic: an engine process is one (it may start no daemonic children).
-                # A worker ends with its pipe instead, and `shutdown` runs at exit.
-                daemon=False,
-            )
-            with _children_allowed():
-                process.start()
-            call_reader.close()
-            reply_writer.close()
-            self._calls.append(call_writer)
-            self._replies.append(reply_reader)
-            self.processes.append(process)
+        launcher = launcher or SpawnLauncher()
+        self._links: list[WorkerLink] = []
         try:
-            self.tp = join_group(rendezvous, 0, self.size, _worker_device(device, 0), timeout_s)
+            for rank in range(1, self.size):
+                main = partial(
+                    run_worker,
+                    config,
+                    arch,
+                    max_model_len,
+                    rendezvous,
+                    _worker_device(device, launcher.device_index(rank)),
+                )
+                self._links.append(launcher.launch(rank, main))
+            own_device = _worker_device(device, launcher.device_index(0))
+            self.tp = join_group(rendezvous, 0, self.size, own_device, timeout_s)
+            expert_parallel = make_expert_parallel(config, arch)
             self.worker = Worker(
                 config,
                 arch,
                 max_model_len=max_model_len,
+                expert_parallel=expert_parallel,
                 tensor_parallel=self.tp,
-                device=_worker_device(device, 0),
+                device=own_device,
             )
-            self._collect(deadline=time.monotonic() + START_TIMEOUT_S)  # READY
+            if expert_parallel is not None:
+                self.expert_workers = TPExpertWorkers(expert_parallel, self._call_all)
+            # READY carries each worker's `WorkerInfo`.
+            ready = self._collect(deadline=time.monotonic() + START_TIMEOUT_S)
+            self._infos = [self.worker.info()] + [msgspec.convert(r, WorkerInfo) for r in ready]
         except BaseException:
             self.shutdown()
             raise
@@ -173,10 +200,13 @@ class MultiprocExecutor(Executor):
     def device(self) -> torch.device:
         return self.worker.device
 
+    def describe_workers(self) -> list[WorkerInfo]:
+        return list(self._infos)
+
     @property
     def worker_pids(self) -> list[int]:
         """The pids of the worker processes (TP ranks 1..N-1)."""
-        return [p.pid for p in self.processes if p.pid is not None]
+        return [link.pid for link in self._links if link.pid is not None]
 
     def load_model(self) -> None:
         self._call_all("load_model", ())
@@ -191,7 +221,8 @@ class MultiprocExecutor(Executor):
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         step, samplers = plan_step(scheduler_output, self.worker.model_runner.block_size)
-        self._send(WorkerCall(STEP, step=step))
+        with self._lock:
+            self._send(WorkerCall(STEP, step=step))
         return self.worker.model_runner.execute_step(step, samplers)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -205,17 +236,12 @@ class MultiprocExecutor(Executor):
         self._is_closing = True
         atexit.unregister(self.shutdown)
         frame = self._encoder.encode(WorkerCall(SHUTDOWN))
-        for conn in self._calls:
+        for link in self._links:
             with contextlib.suppress(OSError):  # that worker is gone already
-                conn.send_bytes(frame)
+                link.send_bytes(frame)
         deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.terminate()
-                process.join(1.0)
-        for conn in self._calls + self._replies:
-            conn.close()
+        for link in self._links:
+            link.stop(max(0.0, deadline - time.monotonic()))
         if hasattr(self, "tp"):
             self.tp.destroy()
 
@@ -223,21 +249,23 @@ class MultiprocExecutor(Executor):
 
     def _send(self, call: WorkerCall) -> None:
         frame = self._encoder.encode(call)
-        for conn in self._calls:
-            conn.send_bytes(frame)
+        for link in self._links:
+            link.send_bytes(frame)
 
     def _call_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        """Runs `method` on every worker (the driver's own first in the list)."""
-        self._send(WorkerCall(CALL, method=method, args=list(args)))
-        try:
-            own = _dispatch(self.worker, method, args)
-        except Exception:
-            # The driver's own error is the one raised; the workers' replies are still all
-            # read, so the next call reads its own.
-            with contextlib.suppress(WorkerError, AttributeError):
-                self._collect()
-            raise
-        return [own, *self._collect()]
+        """Runs `method` on every worker (the driver's own first in the list); from any thread
+        (a resize stages experts on one of its own while the busy loop steps)."""
+        with self._lock:
+            self._send(WorkerCall(CALL, method=method, args=list(args)))
+            try:
+                own = _dispatch(self.worker, method, args)
+            except Exception:
+                # The driver's own error is the one raised; the workers' replies are still all
+                # read, so the next call reads its own.
+                with contextlib.suppress(WorkerError, AttributeError):
+                    self._collect()
+                raise
+            return [own, *self._collect()]
 
     def _collect(self, deadline: float | None = None) -> list[Any]:
         """One reply per worker, in rank order; every reply is read before any error is raised.
@@ -255,51 +283,34 @@ class MultiprocExecutor(Executor):
         return [reply.value for reply in replies]
 
     def _reply(self, rank: int, deadline: float | None) -> WorkerReply:
-        conn, process = self._replies[rank - 1], self.processes[rank - 1]
-        while not conn.poll(0.1):
-            if not process.is_alive():
-                raise WorkerError(f"TP worker {rank} exited (code {process.exitcode})")
+        link = self._links[rank - 1]
+        while not link.poll(0.1):
+            if not link.is_alive():
+                raise WorkerError(f"TP worker {rank} exited (code {link.exitcode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerError(f"TP worker {rank} did not start in {START_TIMEOUT_S:.0f} s")
         try:
-            return self._reply_decoder.decode(conn.recv_bytes())
+            return self._reply_decoder.decode(link.recv_bytes())
         except EOFError:
-            raise WorkerError(f"TP worker {rank} exited (code {process.exitcode})") from None
+            raise WorkerError(f"TP worker {rank} exited (code {link.exitcode})") from None
 
     def _watch_workers(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
+        sentinels = {link.sentinel: (rank, link) for rank, link in enumerate(self._links, 1)}
         ready = wait(list(sentinels))
         if self._is_closing:
             return
-        rank, process = sentinels[ready[0]]  # type: ignore[index]
+        rank, link = sentinels[ready[0]]  # type: ignore[index]
         logger.critical(
             "TP worker %d (pid %s) exited with code %s: ending this rank",
             rank,
-            process.pid,
-            process.exitcode,
+            link.pid,
+            link.exitcode,
         )
         self.tp.destroy()  # a collective in flight with the dead worker fails now
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(_DEATH_EXIT_S)
         logging.shutdown()
         os._exit(1)
-
-
-@contextlib.contextmanager
-def _children_allowed() -> Iterator[None]:
-    """Lets a daemonic process (an engine process started by a client is one) start a worker.
-
-    multiprocessing refuses children to daemonic processes because it would not clean them up
-    at exit; these workers clean themselves up (they end when their call pipe closes, and
-    `shutdown` runs at exit), so the flag is lifted for the start only.
-    """
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    was_daemon = config.get("daemon", False)
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = was_daemon
 
 
 def join_group(
@@ -327,16 +338,16 @@ def run_worker(
     config: EngineConfig,
     arch: ModelArch,
     max_model_len: int,
-    rank: int,
     rendezvous: Rendezvous,
-    calls: Connection,
-    replies: Connection,
+    device: torch.device,
+    rank: int,
+    link: DriverLink,
 ) -> None:
-    """A worker process: join the group, build the worker, answer READY, then serve calls
-    until SHUTDOWN or until the driver's end of `calls` closes."""
+    """A worker process (`WorkerMain` once the first five arguments are bound): join the
+    group, build the worker, answer READY, then serve calls until SHUTDOWN or until the
+    driver is gone."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s TP{rank} %(message)s")
     encoder = msgspec.msgpack.Encoder()
-    device = _worker_device(resolve_device(config.model.device), rank)
     try:
         tp = join_group(
             rendezvous,
@@ -346,17 +357,22 @@ def run_worker(
             config.parallel.collective_timeout_s,
         )
         worker = Worker(
-            config, arch, max_model_len=max_model_len, tensor_parallel=tp, device=device
+            config,
+            arch,
+            max_model_len=max_model_len,
+            expert_parallel=make_expert_parallel(config, arch),
+            tensor_parallel=tp,
+            device=device,
         )
     except Exception as e:
-        replies.send_bytes(encoder.encode(WorkerReply(error_type=type(e).__name__, error=str(e))))
+        link.send_bytes(encoder.encode(WorkerReply(error_type=type(e).__name__, error=str(e))))
         raise
-    replies.send_bytes(encoder.encode(WorkerReply()))
+    link.send_bytes(encoder.encode(WorkerReply(value=worker.info())))
     decoder = msgspec.msgpack.Decoder(WorkerCall)
     runner = worker.model_runner
     while True:
         try:
-            call = decoder.decode(calls.recv_bytes())
+            call = decoder.decode(link.recv_bytes())
         except EOFError:
             return  # the driver is gone
         if call.kind == SHUTDOWN:
@@ -370,4 +386,4 @@ def run_worker(
             reply = WorkerReply(value=_dispatch(worker, call.method, call.args))
         except Exception as e:
             reply = WorkerReply(error_type=type(e).__name__, error=str(e))
-        replies.send_bytes(encoder.encode(reply))
+        link.send_bytes(encoder.encode(reply))

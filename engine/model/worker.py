@@ -9,17 +9,43 @@ the model's layers. It knows nothing of the scheduler's state, sockets or proces
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.loader import load_blocks, load_lazy_weights
 from shoal.engine.model.model_runner import ModelRunner
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.parallel.expert_parallel import ExpertParallel
+from shoal.engine.parallel.distributed import Rendezvous
+from shoal.engine.parallel.expert_parallel import (
+    ExpertParallel,
+    ExpertPlacement,
+    StagedExperts,
+    exchange_rendezvous,
+)
 from shoal.engine.parallel.tensor_parallel import TensorParallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where one worker of a rank runs: fixed for the life of its process.
+
+    Attributes:
+        tp_rank: its rank in the rank's tensor-parallel group (0: the driver worker).
+        pid: its process.
+        device: its torch device ("cpu", "cuda:1"); a CUDA device the process sees through
+            `CUDA_VISIBLE_DEVICES` is followed by the physical GPU it names ("cuda:1 (GPU 5)").
+    """
+
+    tp_rank: int
+    pid: int
+    device: str
 
 
 class Worker:
@@ -48,6 +74,8 @@ class Worker:
         device: torch.device | None = None,
     ) -> None:
         self.config = config
+        self.expert_parallel = expert_parallel
+        self._stage: Future[StagedExperts] | None = None  # experts staged for a resize
         self.model_runner = ModelRunner(
             config.model,
             config.cache,
@@ -70,6 +98,10 @@ class Worker:
     def device(self) -> torch.device:
         return self.model_runner.device
 
+    def info(self) -> WorkerInfo:
+        """This worker's TP rank, process and device."""
+        return WorkerInfo(self.model_runner.tp.rank, os.getpid(), describe_device(self.device))
+
     def load_model(self) -> None:
         """Loads the checkpoint's weights into the runner's model, reading from a safetensors
         checkpoint only the tensors (and the blocks of them) this worker holds.
@@ -89,6 +121,83 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    # --- the MoE exchange: the DP waves' calls on every worker (`TPExpertWorkers`) -----------
+
+    def join_expert_groups(
+        self,
+        rendezvous: dict[str, Any],
+        world_size: int,
+        timeout_s: float,
+        join_timeout_s: float,
+        generation: int | None,
+        abort_key: str | None,
+    ) -> None:
+        """Forms (does not bind) this worker's exchange group: the workers of its TP index in
+        every rank, at `exchange_rendezvous`. Only TP index 0 joins a given `generation` (the
+        waves' groups); the others count generations of their own and choose theirs.
+
+        Args:
+            rendezvous: the set's `Rendezvous`, as a mapping of its fields.
+
+        Raises:
+            GroupJoinError: a peer did not join in time, or the join was aborted.
+        """
+        tp_rank = self.model_runner.tp.rank
+        self._experts().join_groups(
+            exchange_rendezvous(msgspec.convert(rendezvous, Rendezvous), tp_rank),
+            world_size,
+            timeout_s=timeout_s,
+            join_timeout_s=join_timeout_s,
+            generation=generation if tp_rank == 0 else None,
+            abort_key=abort_key,
+        )
+
+    def bind_expert_groups(self) -> None:
+        self._experts().bind_joined()
+
+    def leave_expert_groups(self) -> None:
+        self._experts().leave_groups()
+
+    def run_dummy_forward(self) -> None:
+        self._experts().run_dummy_forward()
+
+    def start_staging_experts(
+        self, expert_to_rank: list[int], num_ranks: int, rank: int, model_path: str
+    ) -> None:
+        """Starts staging this worker's experts (its width block of them) for a new placement
+        on a thread of its own, while forwards go on (`ExpertParallel.stage`); replaces any
+        earlier stage."""
+        placement = ExpertPlacement(tuple(expert_to_rank), num_ranks)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="shoal-stage-experts")
+        self._stage = pool.submit(self._experts().stage, placement, rank, model_path)
+        pool.shutdown(wait=False)
+
+    def is_staging_done(self) -> bool:
+        """Whether the stage is built.
+
+        Raises:
+            ModelLoadError, ValueError: what staging raised.
+        """
+        assert self._stage is not None, "start_staging_experts first"
+        if not self._stage.done():
+            return False
+        self._stage.result()
+        return True
+
+    def commit_staged_experts(self) -> None:
+        """Swaps the built stage in (the exchange unbound: `ExpertParallel.commit`)."""
+        assert self._stage is not None and self._stage.done(), "nothing staged"
+        staged, self._stage = self._stage.result(), None
+        self._experts().commit(staged)
+
+    def drop_staged_experts(self) -> None:
+        """Forgets the stage (one still building is dropped when it ends)."""
+        self._stage = None
+
+    def _experts(self) -> ExpertParallel:
+        assert self.expert_parallel is not None, "this worker serves no experts"
+        return self.expert_parallel
+
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
         """Runs a public method of this worker's model runner (`collective_rpc`'s target).
 
@@ -98,3 +207,15 @@ class Worker:
         if method.startswith("_") or not callable(getattr(self.model_runner, method, None)):
             raise AttributeError(f"model runner has no public method {method!r}")
         return getattr(self.model_runner, method)(*args)
+
+
+def describe_device(device: torch.device) -> str:
+    """`device` as `WorkerInfo` shows it: a CUDA index mapped through `CUDA_VISIBLE_DEVICES`
+    (which a scheduler such as Ray sets per process) to the GPU it names."""
+    if device.type != "cuda":
+        return str(device)
+    index = device.index if device.index is not None else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+    if index < len(visible):
+        return f"cuda:{index} (GPU {visible[index]})"
+    return f"cuda:{index}"

@@ -15,7 +15,10 @@ one. Survivors see the key move (`is_superseded`) and join the new generation to
 waits for every rank's `gen/<g>/member/<r>` key, up to a timeout, or until an abort key
 (`ABORT_KEY`) is set; a rank that cannot join raises `GroupJoinError` naming itself and the
 peers it waited for. A resized set of ranks forms its groups under a rendezvous prefix of its
-own (`Rendezvous.group_name`), so the old set's generations are never touched.
+own (`Rendezvous.group_name`), so the old set's generations are never touched. Several groups
+formed by the same ranks side by side (the MoE exchange of each tensor-parallel index) each keep
+their keys, and count their generations, under a subgroup prefix of their own
+(`Rendezvous.subgroup`); the abort key stays the set's, so one key ends every join of the set.
 
 Knows nothing of Ray, sockets or models: the caller brings the rendezvous, uses the groups.
 """
@@ -56,12 +59,15 @@ class Rendezvous:
         port: the store's port.
         group_name: keys of this cluster live under it (one store can serve several).
         bind_host: the address this rank's gloo connections use (its own node's).
+        subgroup: one of several groups the same ranks form side by side: its keys live
+            under `<group_name>/<subgroup>/` ("": the set's own group).
     """
 
     host: str
     port: int
     group_name: str = "shoal"
     bind_host: str = "127.0.0.1"
+    subgroup: str = ""
 
 
 def connect_store(rendezvous: Rendezvous, timeout_s: float) -> Store:
@@ -154,10 +160,13 @@ class ProcessGroups:
         """
         assert 0 <= rank < world_size, f"rank {rank} outside [0, {world_size})"
         join_timeout_s = timeout_s if join_timeout_s is None else join_timeout_s
-        store = connect_store(rendezvous, join_timeout_s)
+        root = connect_store(rendezvous, join_timeout_s)
+        store = PrefixStore(f"{rendezvous.subgroup}/", root) if rendezvous.subgroup else root
         if generation is None:
             generation = choose_generation(store, rank)
-        generation = _await_peers(store, generation, rank, world_size, join_timeout_s, abort_key)
+        generation = _await_peers(
+            store, generation, rank, world_size, join_timeout_s, abort_key, abort_store=root
+        )
         timeout = timedelta(seconds=timeout_s)
         gen_store = PrefixStore(f"gen/{generation}/", store)
         cpu = _gloo_group(PrefixStore("cpu/", gen_store), rank, world_size, rendezvous, timeout)
@@ -210,8 +219,10 @@ def _await_peers(
     world_size: int,
     timeout_s: float,
     abort_key: str | None = None,
+    abort_store: Store | None = None,
 ) -> int:
-    """Announces this rank in `generation` and waits for every peer; follows a newer one.
+    """Announces this rank in `generation` and waits for every peer; follows a newer one;
+    gives up once `abort_key` is set in `abort_store` (default: `store`).
 
     Returns:
         The generation every rank joined.
@@ -229,7 +240,8 @@ def _await_peers(
             store.set(_member_key(generation, rank), "1")
             keys = [_member_key(generation, r) for r in range(world_size)]
             continue
-        if abort_key is not None and store.check([abort_key]):
+        aborts = store if abort_store is None else abort_store
+        if abort_key is not None and aborts.check([abort_key]):
             raise GroupJoinError(f"rank {rank}: joining generation {generation} was aborted")
         if time.monotonic() >= deadline:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]

@@ -40,8 +40,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
-import torch
-
 from shoal.engine.parallel.distributed import (
     ABORT_KEY,
     GroupJoinError,
@@ -50,7 +48,7 @@ from shoal.engine.parallel.distributed import (
     current_generation,
 )
 from shoal.engine.parallel.elastic import ScalePlan, SwitchOutcome
-from shoal.engine.parallel.expert_parallel import ExpertParallel
+from shoal.engine.parallel.expert_parallel import ExpertWorkers
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -71,27 +69,28 @@ class WaveError(RuntimeError):
 class DPWave:
     """One rank's side of the waves, and the owner of its process groups.
 
+    The waves run on TP index 0's groups (the only ones in a rank of one worker); every
+    worker of the rank joins, binds and leaves its exchange group with them (`experts`).
+
     Args:
-        expert_parallel: the rank's MoE exchange (its groups are bound here).
+        experts: the rank's sides of the MoE exchange, every worker's (their groups are
+            formed and bound here).
         rendezvous: where the ranks meet.
-        device: the device of the MoE exchange.
         timeout_s: how long any collective may wait for a peer.
         join_timeout_s: how long forming the groups may wait for the peers.
     """
 
     def __init__(
         self,
-        expert_parallel: ExpertParallel,
+        experts: ExpertWorkers,
         rendezvous: Rendezvous,
         *,
-        device: torch.device,
         timeout_s: float,
         join_timeout_s: float,
     ) -> None:
-        self.expert_parallel = expert_parallel
+        self.experts = experts
         self.join_timeout_s = join_timeout_s
         self.rendezvous = rendezvous
-        self.device = device
         self.timeout_s = timeout_s
         self.groups: ProcessGroups | None = None
         self.current_wave = 0
@@ -105,7 +104,7 @@ class DPWave:
 
     @property
     def rank(self) -> int:
-        return self.expert_parallel.rank
+        return self.experts.rank
 
     def join(self, generation: int | None = None, abort_key: str | None = None) -> None:
         """Builds the groups (a fresh generation, or `generation`) and agrees on the wave.
@@ -118,11 +117,9 @@ class DPWave:
         Raises:
             GroupJoinError: a peer did not join in time, or the join was aborted.
         """
-        groups = ProcessGroups.join(
+        groups = self.experts.join_groups(
             self.rendezvous,
-            self.rank,
-            self.expert_parallel.world_size,
-            device=self.device,
+            self.experts.world_size,
             timeout_s=self.timeout_s,
             join_timeout_s=self.join_timeout_s,
             generation=generation,
@@ -138,14 +135,21 @@ class DPWave:
 
     def _adopt(self, groups: ProcessGroups, wave: int) -> None:
         self.groups = groups
-        self.expert_parallel.bind(groups)
+        self.experts.bind_joined()
         self.current_wave = wave
         self.is_running = False
         self.has_left = False
 
     def leave(self) -> None:
-        """Destroys the groups (idempotent); `join` may build new ones in this process."""
-        self.expert_parallel.unbind()
+        """Destroys every worker's groups (idempotent); `join` may build new ones."""
+        self.experts.leave_groups()
+        self.groups = None
+
+    def abandon(self) -> None:
+        """At the engine's end: destroys the groups of this process at once, without waiting
+        for the other workers (one may be blocked in a collective): peers blocked in a
+        collective with this process fail now; the other workers' groups end with their
+        processes."""
         if self.groups is not None:
             self.groups.destroy()
             self.groups = None
@@ -201,7 +205,7 @@ class DPWave:
 
     def run_dummy_forward(self) -> None:
         """Joins this turn's forward with no tokens (nothing was scheduled here)."""
-        self._collective(self.expert_parallel.run_dummy_forward)
+        self._collective(self.experts.run_dummy_forward)
         self.num_dummy_steps += 1
 
     def mark_ready(self, epoch: int) -> None:
@@ -253,21 +257,17 @@ class DPWave:
             self.has_left = True
             return SwitchOutcome.LEFT, ""
         new_rendezvous = replace(self.rendezvous, group_name=plan.group_name)
-        groups: ProcessGroups | None = None
         try:
-            groups = ProcessGroups.join(
+            groups = self.experts.join_groups(
                 new_rendezvous,
-                self.rank,
                 plan.num_ranks,
-                device=self.device,
                 timeout_s=self.timeout_s,
                 join_timeout_s=plan.switch_timeout_s,
                 abort_key=ABORT_KEY,
             )
             wave = self._agree_on_wave(groups)
         except (GroupJoinError, RuntimeError) as e:
-            if groups is not None:
-                groups.destroy()
+            self.experts.leave_groups()  # what any worker did join of the new set
             logger.warning(
                 "rank %d: resize %d did not form (%s); rolling back", self.rank, plan.epoch, e
             )
@@ -321,10 +321,9 @@ class DPWave:
 
 
 def make_dp_wave(
-    expert_parallel: ExpertParallel | None,
+    experts: ExpertWorkers | None,
     rendezvous: Rendezvous | None,
     *,
-    device: torch.device,
     timeout_s: float,
     join: bool,
 ) -> DPWave | None:
@@ -335,7 +334,7 @@ def make_dp_wave(
         ValueError: expert parallelism without a rendezvous.
         GroupJoinError: a peer did not join in time.
     """
-    if expert_parallel is None:
+    if experts is None:
         return None
     if rendezvous is None:
         raise ValueError(
@@ -343,9 +342,8 @@ def make_dp_wave(
             "shoal.cluster.launch (shoal serve)"
         )
     wave = DPWave(
-        expert_parallel,
+        experts,
         rendezvous,
-        device=device,
         timeout_s=timeout_s,
         join_timeout_s=JOIN_TIMEOUT_S,
     )

@@ -93,11 +93,20 @@ class PendingScale:
 
     `stage` runs on a thread of its own and returns what the switch commits (the staged
     experts), or None when the rank has nothing to stage (it leaves, or holds no experts).
+    A stage that is not committed (the outcome is not COMMITTED, or it was built after the
+    outcome) is handed to `discard`, where the workers hold what a stage refers to.
     """
 
-    def __init__(self, plan: ScalePlan, stage: Callable[[], object | None]) -> None:
+    def __init__(
+        self,
+        plan: ScalePlan,
+        stage: Callable[[], object | None],
+        discard: Callable[[object], None] | None = None,
+    ) -> None:
         self.plan = plan
         self.staged: object | None = None
+        self._discard = discard
+        self._staged_lock = threading.Lock()
         self.stage_error: BaseException | None = None
         self._is_staged = threading.Event()
         self._is_switch_requested = threading.Event()
@@ -111,7 +120,13 @@ class PendingScale:
 
     def _stage(self, stage: Callable[[], object | None]) -> None:
         try:
-            self.staged = stage()
+            staged = stage()
+            with self._staged_lock:
+                is_late = self._done.is_set()
+                if not is_late:
+                    self.staged = staged
+            if is_late and staged is not None:  # the resize ended while this was built
+                self._drop(staged)
         except BaseException as e:  # reported as the outcome when the switch is asked for
             logger.exception("staging for resize %d failed", self.plan.epoch)
             self.stage_error = e
@@ -135,9 +150,20 @@ class PendingScale:
         return self._is_staged.is_set() and self.stage_error is not None
 
     def finish(self, outcome: SwitchOutcome, detail: str = "") -> None:
-        self.outcome, self.detail = outcome, detail
-        self.staged = None  # a rolled-back stage's tensors go now
-        self._done.set()
+        with self._staged_lock:
+            self.outcome, self.detail = outcome, detail
+            staged, self.staged = self.staged, None  # a rolled-back stage's tensors go now
+            self._done.set()
+        if staged is not None and outcome != SwitchOutcome.COMMITTED:
+            self._drop(staged)
+
+    def _drop(self, staged: object) -> None:
+        if self._discard is None:
+            return
+        try:
+            self._discard(staged)
+        except Exception:  # the rank is failing anyway; the outcome stands
+            logger.exception("dropping the stage of resize %d failed", self.plan.epoch)
 
     def wait(self, timeout_s: float) -> tuple[SwitchOutcome, str] | None:
         """The outcome, once the switch is over; None at the timeout."""

@@ -23,6 +23,14 @@ layer knows the shapes; a forward in which no rank has a token skips the layers'
 A rank with nothing to run still joins each layer's exchange with an empty batch
 (`run_dummy_forward`): its experts serve the other ranks' tokens.
 
+Groups. An `ExpertParallel` is one process's side. The DP waves and resizes reach a rank's
+sides through `ExpertWorkers`: a rank of one worker is its own `ExpertParallel`; under tensor
+parallelism every worker has one (its experts narrowed to its width block), and the executor
+fans each call out to all of them. The hidden states are replicated across a rank's TP
+workers, so each TP index exchanges on its own: the exchange group of TP index i is the i-th
+worker of every rank (`exchange_rendezvous`), and the TP all-reduce after the exchange sums the
+width blocks. Summed over ranks, then over blocks, that is the whole layer's output.
+
 Re-sharding at a resize, in two steps. `stage` builds, beside the live weights, every MoE
 layer's weights for the experts the rank holds under a new placement: held experts are copied
 from the live tensors (oneDNN-packed ones are shared as they are: nothing ever writes them), the
@@ -35,15 +43,16 @@ groups; the old weights are released then. Dropping a `StagedExperts` instead is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
+from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import SafetensorsReader, is_gguf_path
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.parallel.distributed import ProcessGroups
+from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,23 @@ def check_expert_parallel(arch: ModelArch, num_ranks: int) -> None:
         )
 
 
+def make_expert_parallel(config: EngineConfig, arch: ModelArch) -> ExpertParallel | None:
+    """A worker's expert-parallel context when `config` asks for expert parallelism over
+    several ranks (every TP worker of a rank builds its own, alike).
+
+    Raises:
+        ValueError: expert parallelism on a dense model, or over more ranks than experts.
+    """
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel:
+        return None
+    check_expert_parallel(arch, parallel.data_parallel_size)
+    if parallel.data_parallel_size == 1:
+        return None  # one rank holds every expert: nothing to exchange
+    placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
+    return ExpertParallel(placement, parallel.data_parallel_rank)
+
+
 LocalCompute = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -152,6 +178,77 @@ class MoELayer(Protocol):
         ...
 
 
+def exchange_rendezvous(rendezvous: Rendezvous, tp_rank: int) -> Rendezvous:
+    """Where TP index `tp_rank` of every rank forms its exchange group: the set's own group for
+    index 0 (whose groups also carry the DP waves), a subgroup `tp<i>` for the others."""
+    return rendezvous if tp_rank == 0 else replace(rendezvous, subgroup=f"tp{tp_rank}")
+
+
+class ExpertWorkers(Protocol):
+    """A rank's sides of the MoE exchange as its DP waves and resizes reach them: each call
+    runs on every worker of the rank (one `ExpertParallel`, or each TP worker's)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_forwards(self) -> int:
+        """Forwards the rank has joined (real or dummy)."""
+        ...
+
+    def join_groups(
+        self,
+        rendezvous: Rendezvous,
+        world_size: int,
+        *,
+        timeout_s: float,
+        join_timeout_s: float,
+        generation: int | None = None,
+        abort_key: str | None = None,
+    ) -> ProcessGroups:
+        """Every worker forms (does not bind) its exchange group of `world_size` ranks.
+
+        Returns:
+            TP index 0's groups, which also carry the DP waves.
+
+        Raises:
+            GroupJoinError: a peer did not join in time, or the join was aborted.
+        """
+        ...
+
+    def bind_joined(self) -> None:
+        """Every worker starts exchanging over the groups it joined last."""
+        ...
+
+    def leave_groups(self) -> None:
+        """Every worker unbinds and destroys its groups; idempotent."""
+        ...
+
+    def run_dummy_forward(self) -> None: ...
+
+    def stage(self, placement: ExpertPlacement, rank: int, model_path: str) -> StagedExperts:
+        """Every worker builds its experts under `placement` beside the live ones (forwards
+        may go on meanwhile, from another thread); returns the stage, for `commit` or
+        `discard`.
+
+        Raises:
+            ValueError, ModelLoadError: as `ExpertParallel.stage`; a worker's, as its
+                executor reports it.
+        """
+        ...
+
+    def commit(self, staged: StagedExperts) -> None:
+        """Every worker swaps its stage in (between forwards, the groups unbound)."""
+        ...
+
+    def discard(self, staged: StagedExperts) -> None:
+        """Every worker drops its stage (the resize was rolled back); any thread."""
+        ...
+
+
 class ExpertParallel:
     """One rank's side of the MoE exchange: its placement, its groups, this forward's shapes.
 
@@ -174,6 +271,7 @@ class ExpertParallel:
         self.dtype = torch.float32
         self.device = torch.device("cpu")
         self.num_forwards = 0  # forwards joined (real or dummy), for the wave loop
+        self._joined: ProcessGroups | None = None  # formed by `join_groups`, maybe not bound
         self._counts: list[int] = []
         self._valid_rows: torch.Tensor | None = None
 
@@ -191,6 +289,44 @@ class ExpertParallel:
 
     def unbind(self) -> None:
         self.groups = None
+
+    def join_groups(
+        self,
+        rendezvous: Rendezvous,
+        world_size: int,
+        *,
+        timeout_s: float,
+        join_timeout_s: float,
+        generation: int | None = None,
+        abort_key: str | None = None,
+    ) -> ProcessGroups:
+        """Forms this side's groups of `world_size` ranks (see `ExpertWorkers.join_groups`)."""
+        self._joined = ProcessGroups.join(
+            rendezvous,
+            self.rank,
+            world_size,
+            device=self.device,
+            timeout_s=timeout_s,
+            join_timeout_s=join_timeout_s,
+            generation=generation,
+            abort_key=abort_key,
+        )
+        return self._joined
+
+    @property
+    def joined_groups(self) -> ProcessGroups | None:
+        """The groups `join_groups` formed last (bound or not), until `leave_groups`."""
+        return self._joined
+
+    def bind_joined(self) -> None:
+        assert self._joined is not None, "join_groups first"
+        self.bind(self._joined)
+
+    def leave_groups(self) -> None:
+        groups = self._joined or self.groups
+        self._joined = self.groups = None
+        if groups is not None:
+            groups.destroy()
 
     def register_layer(self, layer: MoELayer, hidden_size: int) -> None:
         """Called by each MoE layer at construction, in forward order."""
@@ -296,3 +432,6 @@ class ExpertParallel:
             layer.commit_experts(weights)
         self.placement, self.rank = staged.placement, staged.rank
         self._counts, self._valid_rows = [], None
+
+    def discard(self, staged: StagedExperts) -> None:
+        """Nothing to do: a stage's tensors go with the last reference to it."""

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shoal.actors.membership import RankInfo, RankState, registration_digest
+from shoal.actors.membership import RankInfo, RankState, RankWorker, registration_digest
 from shoal.actors.membership_table import MAX_RANK_FAILURES_KEPT, MembershipTable, TableState
 from shoal.engine.config import EngineConfig
 from shoal.engine.protocol import EngineEndpoint
@@ -78,6 +78,22 @@ def test_a_restart_seen_before_its_death_still_counts_the_failure() -> None:
     table.mark_dead(0, b"0:a")  # the late word of the old incarnation's death
     assert [rank for _, rank in table.rank_failures()] == [0]
     assert table.rank(0).state == RankState.READY
+
+
+def test_each_incarnation_registers_its_workers_and_a_dead_one_shows_none() -> None:
+    table, _ = _table()
+    table.set_rank(RankInfo(0, RankState.STARTING, "e-0", "pg-0"))
+    first = (
+        RankWorker(0, 100, "cpu", "10.0.0.1", "n1"),
+        RankWorker(1, 101, "cpu", "10.0.0.1", "n1"),
+    )
+    table.register(_endpoint(0, b"0:a"), "10.0.0.1", b"", joining=False, workers=first)
+    assert table.rank(0).workers == first
+    table.mark_dead(0, b"0:a")
+    assert table.rank(0).workers == ()  # no stale pids while the rank restarts
+    second = (RankWorker(0, 200, "cpu", "10.0.0.2", "n2"),)
+    table.register(_endpoint(0, b"0:b"), "10.0.0.2", b"", joining=False, workers=second)
+    assert table.rank(0).workers == second and table.snapshot().ranks[0].workers == second
 
 
 async def test_a_long_poll_wakes_on_the_next_bump_or_returns_at_its_timeout() -> None:

@@ -49,8 +49,8 @@ def test_plan_register_dead_leave_remove_bump_epochs(registry: Any) -> None:
     assert [m.ranks[r].state for r in (0, 1)] == [RankState.STARTING, RankState.STARTING]
     assert m.routable_endpoints() == []
 
-    assert ray.get(registry.register_engine.remote(_endpoint(1, b"1:a"), "10.0.0.1", b"")) == 1
-    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:a"), "10.0.0.1", b"")) == 1
+    assert ray.get(registry.register_engine.remote(_endpoint(1, b"1:a"), "10.0.0.1", b"", [])) == 1
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:a"), "10.0.0.1", b"", [])) == 1
     m = ray.get(registry.membership.remote())
     assert m.epoch == e1 + 2
     assert m.ranks[0].state == RankState.READY and m.ranks[0].node_ip == "10.0.0.1"
@@ -69,7 +69,7 @@ def test_plan_register_dead_leave_remove_bump_epochs(registry: Any) -> None:
     assert [e.identity for e in m.routable_endpoints()] == [b"1:a"]
 
     # The restarted actor registers again: new identity, next incarnation, READY.
-    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:b"), "10.0.0.2", b"")) == 2
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:b"), "10.0.0.2", b"", [])) == 2
     m = ray.get(registry.membership.remote())
     assert m.ranks[0].state == RankState.READY and m.ranks[0].incarnation == 2
     assert m.ranks[0].endpoint == _endpoint(0, b"0:b")
@@ -84,7 +84,7 @@ def test_plan_register_dead_leave_remove_bump_epochs(registry: Any) -> None:
 
 def test_register_unplanned_rank_is_refused(registry: Any) -> None:
     with pytest.raises(KeyError, match="rank 7 is not planned"):
-        ray.get(registry.register_engine.remote(_endpoint(7, b"7:a"), "10.0.0.1", b""))
+        ray.get(registry.register_engine.remote(_endpoint(7, b"7:a"), "10.0.0.1", b"", []))
 
 
 def test_a_registration_without_the_ranks_token_is_refused_and_the_real_one_still_counts(
@@ -93,17 +93,17 @@ def test_a_registration_without_the_ranks_token_is_refused_and_the_real_one_stil
     keys = CurveKeyPair.generate()
     token = registration_token(keys)
     ray.get(registry.plan_rank.remote(0, "engine-0", "pg-0", registration_digest(token)))
-    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:real"), "10.0.0.1", token))
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:real"), "10.0.0.1", token, []))
     impostor_token = registration_token(CurveKeyPair.generate())
     for forged in (b"", impostor_token, registration_digest(token)):
         with pytest.raises(PermissionError, match="rank 0"):
-            ray.get(registry.register_engine.remote(_endpoint(0, b"0:fake"), "6.6.6.6", forged))
+            ray.get(registry.register_engine.remote(_endpoint(0, b"0:fake"), "6.6.6.6", forged, []))
     m = ray.get(registry.membership.remote())
     assert [e.identity for e in m.routable_endpoints()] == [b"0:real"]
     # Clients read the membership: it holds the token's digest, never the token.
     assert m.ranks[0].registration_digest == registration_digest(token) != token
     # The real actor (restarted: same keys) registers again.
-    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:again"), "10.0.0.1", token))
+    assert ray.get(registry.register_engine.remote(_endpoint(0, b"0:again"), "10.0.0.1", token, []))
     m = ray.get(registry.membership.remote())
     assert [e.identity for e in m.routable_endpoints()] == [b"0:again"]
 
@@ -222,7 +222,7 @@ def _watched_ranks(registry: Any, namespace: str, max_restarts: int = 0) -> list
     ]
     for rank in (0, 1):
         ray.get(registry.plan_rank.remote(rank, f"watched-{rank}", f"pg-{rank}", b""))
-        ray.get(registry.register_engine.remote(_endpoint(rank, b"id"), "10.0.0.1", b""))
+        ray.get(registry.register_engine.remote(_endpoint(rank, b"id"), "10.0.0.1", b"", []))
     return actors
 
 

@@ -32,7 +32,7 @@ def registry(ray_local: str) -> Iterator[Any]:
     )
     for rank in (0, 1):
         ray.get(actor.plan_rank.remote(rank, f"engine-{rank}", f"pg-{rank}", b""))
-        ray.get(actor.register_engine.remote(_endpoint(rank), "127.0.0.1", b""))
+        ray.get(actor.register_engine.remote(_endpoint(rank), "127.0.0.1", b"", []))
     yield actor
     ray.kill(actor)
 
@@ -70,7 +70,7 @@ def test_a_rank_started_by_a_resize_joins_the_new_set_and_serves_once_it_commits
     assert start.config.parallel.data_parallel_size == 3
     old = ray.get(registry.engine_start.remote(0))  # a restarted old rank: the old set
     assert old.joining is None and old.config.parallel.data_parallel_size == 2
-    ray.get(registry.register_engine.remote(_endpoint(2), "127.0.0.1", b""))
+    ray.get(registry.register_engine.remote(_endpoint(2), "127.0.0.1", b"", []))
     membership = ray.get(registry.membership.remote())
     assert membership.ranks[2].state == RankState.JOINING
     assert [e.engine_index for e in membership.routable_endpoints()] == [0, 1]

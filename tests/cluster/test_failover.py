@@ -20,7 +20,6 @@ import ray
 import uvicorn
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.dp_client import DPLBAsyncMPClient
 from shoal.client.migration import DEFAULT_MIGRATION_LIMIT, REASON_RANK_FAILED
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
@@ -29,6 +28,7 @@ from shoal.deploy.openai.state import ServerState
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import RequestOutputKind
+from tests.cluster.in_flight import decoding_on, dplb_client
 from tests.deploy.openai_utils import scrape, total
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import free_port, unique_namespace
@@ -119,34 +119,16 @@ async def _stream(driver: AsyncLLM, prompt: str) -> Stream:
     return seen
 
 
-def _client(driver: AsyncLLM) -> DPLBAsyncMPClient:
-    assert isinstance(driver.engine_core, DPLBAsyncMPClient)
-    return driver.engine_core
-
-
 async def _start(drivers: list[AsyncLLM]) -> list[asyncio.Task[Stream]]:
     """Three requests per driver (one per rank), once every one of them is in flight."""
     tasks = [
         asyncio.create_task(_stream(driver, prompt)) for driver in drivers for prompt in PROMPTS
     ]
     deadline = time.monotonic() + 30
-    while sum(len(_client(d).router) for d in drivers) < len(tasks):
+    while sum(len(dplb_client(d).router) for d in drivers) < len(tasks):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     return tasks
-
-
-async def _decoding_on(drivers: list[AsyncLLM], rank: int, min_tokens: int) -> None:
-    """Waits until every driver's request on `rank` has streamed `min_tokens` tokens."""
-    deadline = time.monotonic() + 60
-    while True:
-        entries = [
-            entry for d in drivers for entry in _client(d).router.loads[rank].in_flight.values()
-        ]
-        if entries and all(len(e.token_ids) >= min_tokens for e in entries):
-            return
-        assert time.monotonic() < deadline, "the requests did not decode on the rank"
-        await asyncio.sleep(0.02)
 
 
 def _pid_of(cluster: ClusterHandle, rank: int) -> int:
@@ -166,7 +148,7 @@ async def test_a_killed_rank_loses_no_request_and_limit_zero_fails_as_before(
 ) -> None:
     victim = 1
     tasks = await _start(drivers)
-    await _decoding_on(drivers, victim, 8)
+    await decoding_on(drivers, victim, 8)
     os.kill(_pid_of(cluster, victim), signal.SIGKILL)
     killed_at = time.monotonic()
 
@@ -182,8 +164,8 @@ async def test_a_killed_rank_loses_no_request_and_limit_zero_fails_as_before(
     # The two that migrate lose nothing; streams that moved went on where they stopped.
     _assert_nothing_lost(runs[: 2 * NUM_RANKS], references)
     for driver in drivers[:2]:
-        assert _client(driver).router.stats.migrated.get(REASON_RANK_FAILED, 0) >= 1
-    assert not _client(drivers[2]).router.stats.migrated
+        assert dplb_client(driver).router.stats.migrated.get(REASON_RANK_FAILED, 0) >= 1
+    assert not dplb_client(drivers[2]).router.stats.migrated
 
     # `shoal status` counts the failure, once the registry has seen it (the drivers may
     # have moved their requests first).
@@ -199,16 +181,16 @@ async def test_a_hung_rank_that_wakes_delivers_no_token_twice(
 ) -> None:
     victim = 2
     migrating = drivers[:2]
-    before = [_client(d).router.stats.migrated.get(REASON_RANK_FAILED, 0) for d in migrating]
+    before = [dplb_client(d).router.stats.migrated.get(REASON_RANK_FAILED, 0) for d in migrating]
     tasks = await _start(migrating)
-    await _decoding_on(migrating, victim, 8)
+    await decoding_on(migrating, victim, 8)
     pid = _pid_of(cluster, victim)
     os.kill(pid, signal.SIGSTOP)  # alive to Ray, deaf to its clients
     try:
         # Past the drivers' heartbeat timeout they move its requests away...
         deadline = time.monotonic() + 20
         while any(
-            _client(d).router.stats.migrated.get(REASON_RANK_FAILED, 0) <= n
+            dplb_client(d).router.stats.migrated.get(REASON_RANK_FAILED, 0) <= n
             for d, n in zip(migrating, before, strict=True)
         ):
             assert time.monotonic() < deadline, "the hung rank's requests did not move"
@@ -265,13 +247,13 @@ async def test_through_the_http_front_end_a_killed_rank_loses_nothing(
 
     try:
         references = [text for text, _ in await asyncio.gather(*map(whole, PROMPTS))]
-        before = _client(front).router.stats.migrated.get(REASON_RANK_FAILED, 0)
+        before = dplb_client(front).router.stats.migrated.get(REASON_RANK_FAILED, 0)
         tasks = [asyncio.create_task(call(p)) for call in (streamed, whole) for p in PROMPTS]
-        router = _client(front).router
+        router = dplb_client(front).router
         while len(router) < len(tasks):
             await asyncio.sleep(0.01)
         victim = max(router.loads, key=lambda rank: len(router.loads[rank].in_flight))
-        await _decoding_on([front], victim, 8)
+        await decoding_on([front], victim, 8)
         os.kill(_pid_of(cluster, victim), signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert results == [(text, 1) for text in references * 2]

@@ -150,6 +150,37 @@ def test_format_status_counts_the_recent_rank_failures() -> None:
     assert "rank failures in the last 10 min: 2 (latest: rank 2, 30 s ago)" in lines
 
 
+def test_format_status_lists_each_tp_ranks_group_and_workers() -> None:
+    worker = {
+        "tp_rank": 1,
+        "pid": 4242,
+        "device": "cuda:0 (GPU 5)",
+        "node_ip": "10.0.0.7",
+        "node_id": "0123456789abcdef0123",
+    }
+    status = {
+        "namespace": "prod", "model": "/m", "epoch": 2, "served_by": None,
+        "detached": False, "stopping": False, "tensor_parallel_size": 2, "clients": [],
+        "ranks": [
+            {"rank": 0, "state": "ready", "incarnation": 1, "address": "tcp://h:1",
+             "load": None, "placement_group": "shoal-prod-rank-0",
+             "workers": [{**worker, "tp_rank": 0, "pid": 4241}, worker]},
+            {"rank": 1, "state": "dead", "incarnation": 1, "address": None, "load": None,
+             "placement_group": "shoal-prod-rank-1", "workers": []},
+        ],
+    }  # fmt: skip
+    lines = format_status(status).splitlines()
+    assert lines[0].endswith("TP 2 (4 workers)")
+    assert lines[4].split()[:2] == ["0", "ready"]
+    assert lines[5:8] == [
+        "     placement group shoal-prod-rank-0",
+        "     TP 0  pid 4241    cuda:0 (GPU 5)    node 10.0.0.7 (0123456789ab)",
+        "     TP 1  pid 4242    cuda:0 (GPU 5)    node 10.0.0.7 (0123456789ab)",
+    ]
+    assert lines[8].split()[:2] == ["1", "dead"]
+    assert lines[9:11] == ["     placement group shoal-prod-rank-1", ""]  # no worker of it
+
+
 @pytest.mark.slow
 def test_detached_serve_then_status_then_stop(
     ray_local: str,

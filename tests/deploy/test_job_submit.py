@@ -1,5 +1,5 @@
-"""End to end on a real `ray start --head`: `ray job submit -- python -m shoal.deploy.serve ...`,
-a separate driver process (`shoal generate`) attaches by namespace and completes requests,
+"""End to end on a real `ray start --head`: `ray job submit -- python -m shoal.deploy.serve ...`
+(two ranks of two tensor-parallel workers), a separate driver process (`shoal generate`) attaches by namespace and completes requests,
 `shoal status` lists both ranks, `shoal stop` leaves no actor and no placement group. The job
 serves HTTP with its keys read from files, as the README tells `ray job submit` users to pass
 them: neither key shows in `ps`, the job's log or `shoal status --json`.
@@ -80,8 +80,8 @@ def _shoal(head: RayHead, *args: str, timeout_s: float = 90.0) -> subprocess.Com
 
 def _serve_args(checkpoint: str, namespace: str) -> list[str]:
     return [
-        "--model", checkpoint, "--data-parallel-size", "2", "--namespace", namespace,
-        "--data-parallel-address", "127.0.0.1", *TINY_ENGINE_FLAGS,
+        "--model", checkpoint, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+        "--namespace", namespace, "--data-parallel-address", "127.0.0.1", *TINY_ENGINE_FLAGS,
     ]  # fmt: skip
 
 
@@ -189,6 +189,19 @@ def test_job_submit_serve_status_stop(served_cluster: ServedCluster) -> None:
     assert status is not None, logs()
     assert [(r["rank"], r["state"]) for r in status["ranks"]] == [(0, "ready"), (1, "ready")]
     assert status["served_by"] and not status["detached"] and not status["stopping"]
+    # Two ranks of two tensor-parallel workers: four workers in two placement groups, each
+    # with a bundle per worker packed on one node.
+    assert status["tensor_parallel_size"] == 2
+    workers = [w for rank in status["ranks"] for w in rank["workers"]]
+    assert len(workers) == 4 and len({w["pid"] for w in workers}) == 4
+    groups = list_placement_groups(
+        address=head.dashboard_url, filters=[("state", "=", "CREATED")], detail=True
+    )
+    ours = [g for g in groups if g.name.startswith(f"shoal-{namespace}-rank-")]
+    assert sorted(g.name for g in ours) == [f"shoal-{namespace}-rank-{r}" for r in (0, 1)]
+    for group in ours:
+        assert len(group.bundles) == 2, group
+        assert len({bundle["node_id"] for bundle in group.bundles}) == 1
     live = {
         a.name for a in list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")])
     }

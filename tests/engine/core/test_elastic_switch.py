@@ -14,7 +14,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from shoal.engine.parallel.distributed import ABORT_KEY, Rendezvous
@@ -52,7 +51,6 @@ def _waves(store: TCPStore, num_ranks: int = 2) -> list[DPWave]:
         DPWave(
             ExpertParallel(placement, rank),
             rendezvous,
-            device=torch.device("cpu"),
             timeout_s=10.0,
             join_timeout_s=10.0,
         )
@@ -75,7 +73,8 @@ def _plan(waves: list[DPWave], num_ranks: int, **kwargs: object) -> ScalePlan:
 def _commit(wave: DPWave, plan: ScalePlan) -> Callable[[], None]:
     def commit() -> None:
         assert plan.expert_to_rank is not None
-        wave.expert_parallel.placement = ExpertPlacement(plan.expert_to_rank, plan.num_ranks)
+        assert isinstance(wave.experts, ExpertParallel)
+        wave.experts.placement = ExpertPlacement(plan.expert_to_rank, plan.num_ranks)
 
     return commit
 
@@ -96,7 +95,7 @@ def test_paused_ranks_agree_on_the_switch_and_one_leaves(store: TCPStore) -> Non
     survivor = waves[0]
     assert survivor.groups is not None and survivor.groups.world_size == 1
     assert survivor.rendezvous.group_name == plan.group_name
-    assert survivor.expert_parallel.world_size == 1
+    assert survivor.experts.world_size == 1
     survivor.maybe_start(has_local_work=True)  # the new set runs waves
     assert survivor.is_running
     survivor.leave()
@@ -177,6 +176,23 @@ def test_a_pending_scale_is_ready_once_staged_and_asked_and_reports_its_outcome(
     assert pending.staged is None, "the staged experts are not kept after the switch"
     failing = PendingScale(plan, lambda: 1 / 0)
     assert wait_until(lambda: failing.has_failed_staging, 10) and not failing.is_ready
+
+
+def test_a_stage_that_is_not_committed_is_discarded_even_when_built_after_the_outcome() -> None:
+    plan = ScalePlan(3, 2, "g")
+    discarded: list[object] = []
+    committed = PendingScale(plan, lambda: "a", discard=discarded.append)
+    assert wait_until(lambda: committed.staged == "a", 10)
+    committed.finish(SwitchOutcome.COMMITTED)
+    rolled_back = PendingScale(plan, lambda: "b", discard=discarded.append)
+    assert wait_until(lambda: rolled_back.staged == "b", 10)
+    rolled_back.finish(SwitchOutcome.ROLLED_BACK, "cancelled")
+    release = threading.Event()
+    late = PendingScale(plan, lambda: release.wait(10) and "c", discard=discarded.append)
+    late.finish(SwitchOutcome.ROLLED_BACK, "cancelled")  # while it still stages
+    release.set()
+    assert wait_until(lambda: discarded == ["b", "c"], 10), discarded
+    assert late.staged is None
 
 
 def test_a_dense_rank_that_leaves_releases_its_requests_and_every_later_one(

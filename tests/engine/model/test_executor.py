@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.loader import load_model_arch
 from shoal.engine.model.executor import Executor, UniProcExecutor, make_executor
+from shoal.engine.model.worker import WorkerInfo, describe_device
 from tests.factories import make_tiny_checkpoint
 
 
@@ -44,3 +47,19 @@ def test_a_worker_sets_the_cpu_thread_count_it_was_given(config: EngineConfig) -
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_executor_describes_its_one_worker_here(config: EngineConfig) -> None:
+    executor = make_executor(config, load_model_arch(config.model.model), max_model_len=64)
+    assert executor.describe_workers() == [WorkerInfo(tp_rank=0, pid=os.getpid(), device="cpu")]
+
+
+def test_a_cuda_device_is_described_with_the_gpu_it_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert describe_device(torch.device("cuda", 1)) == "cuda:1 (GPU 5)"
+    assert describe_device(torch.device("cuda")) == "cuda:0 (GPU 3)"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert describe_device(torch.device("cuda", 1)) == "cuda:1"
+    assert describe_device(torch.device("cpu")) == "cpu"

@@ -84,8 +84,11 @@ def test_two_workers_give_hfs_and_one_workers_tokens_holding_half_the_weights(
             core.collective_rpc("bytes_per_block", (1,))
         worker_bytes = core.collective_rpc("parameter_bytes")
         worker_kv = core.collective_rpc("bytes_per_block")
+        workers = core.executor.describe_workers()
     finally:
         two.shutdown()
+    assert [(w.tp_rank, w.device) for w in workers] == [(0, "cpu"), (1, "cpu")]
+    assert workers[0].pid == os.getpid() and workers[1].pid != os.getpid()
     assert two_tokens == one_tokens
     for i, (tokens, reference) in enumerate(zip(two_tokens, references, strict=True)):
         assert_greedy_matches(tokens, reference, label=f"{name} prompt {i}")

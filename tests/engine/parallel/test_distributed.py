@@ -1,11 +1,13 @@
 """The ranks' process groups: built from a TCPStore rendezvous without torch's default group,
-destroyed and built again in the same process, and a clear error when a peer never joins."""
+destroyed and built again in the same process, and a clear error when a peer never joins;
+subgroups of the same ranks side by side."""
 
 from __future__ import annotations
 
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from torch.distributed import TCPStore
 
 from shoal.engine.parallel.distributed import (
+    ABORT_KEY,
     GroupJoinError,
     ProcessGroups,
     Rendezvous,
@@ -145,3 +148,36 @@ def test_a_collective_with_a_dead_peer_fails_instead_of_hanging(store_port: int)
     with pytest.raises(RuntimeError):
         groups[0].all_reduce_max([1])
     groups[0].destroy()
+
+
+def test_subgroups_of_the_same_ranks_form_apart_and_the_sets_abort_key_ends_their_joins(
+    store_port: int,
+) -> None:
+    """The exchange groups of two TP indices: the same ranks at once, each group its own
+    generations; the set's abort key (not the subgroup's) ends a subgroup's join."""
+    rendezvous = _rendezvous(store_port)
+    sub = replace(rendezvous, subgroup="tp1")
+
+    def join_both(rank: int) -> tuple[ProcessGroups, ProcessGroups]:
+        return (
+            ProcessGroups.join(rendezvous, rank, 2, device=CPU, timeout_s=10),
+            ProcessGroups.join(sub, rank, 2, device=CPU, timeout_s=10),
+        )
+
+    pairs = _on_ranks(2, join_both)
+    # Each group sums only its own members' values.
+    sums = _on_ranks(2, lambda r: [g.all_reduce_max([10 * i + r]) for i, g in enumerate(pairs[r])])
+    assert sums == [[[1], [11]], [[1], [11]]]
+    # Rank 1 restarts in the subgroup only: the subgroup opens generation 2, the set's stays 1.
+    pairs[1][1].destroy()
+    pairs[0][1].destroy()
+    again = _on_ranks(2, lambda r: ProcessGroups.join(sub, r, 2, device=CPU, timeout_s=10))
+    assert [g.generation for g in again] == [2, 2]
+    assert [g.generation for g, _ in pairs] == [1, 1] and not pairs[0][0].is_superseded()
+    for groups in [*again, *(g for g, _ in pairs)]:
+        groups.destroy()
+    # A join of a subgroup of a resized set ends once the set's abort key is set.
+    resized = replace(sub, group_name=f"{rendezvous.group_name}-resized")
+    connect_store(replace(resized, subgroup=""), 5).set(ABORT_KEY, "1")
+    with pytest.raises(GroupJoinError, match="aborted"):
+        ProcessGroups.join(resized, 0, 2, device=CPU, timeout_s=10, abort_key=ABORT_KEY)

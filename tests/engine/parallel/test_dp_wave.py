@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-import torch
 from torch.distributed import TCPStore
 
 from shoal.engine.config import EngineConfig
@@ -48,7 +47,6 @@ def _joined_waves(port: int, timeout_s: float = 10.0) -> list[DPWave]:
         DPWave(
             ExpertParallel(placement, rank),
             rendezvous,
-            device=torch.device("cpu"),
             timeout_s=timeout_s,
             join_timeout_s=10.0,
         )

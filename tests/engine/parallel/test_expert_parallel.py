@@ -19,10 +19,10 @@ from torch.distributed import TCPStore
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.loader import load_model_arch
-from shoal.engine.model.executor import UniProcExecutor, make_expert_parallel
+from shoal.engine.model.executor import UniProcExecutor
 from shoal.engine.parallel.distributed import Rendezvous
 from shoal.engine.parallel.dp_wave import SYNC_INTERVAL
-from shoal.engine.parallel.expert_parallel import ExpertPlacement
+from shoal.engine.parallel.expert_parallel import ExpertPlacement, make_expert_parallel
 from shoal.engine.protocol import EngineCoreRequestType, EngineStatsReport
 from tests.engine.core_proc_utils import RawPeer, ServedEngine, request, tiny_config, wait_until
 from tests.factories import make_tiny_checkpoint
