@@ -20,8 +20,9 @@ engine core, workers), as any vLLM user's do.
 Part 2, the broadcast. The per-step cost of handing the scheduler's step to the other worker,
 with an empty model step: two processes that each step only meet in one 1-element all-reduce
 (where a real step's first collective would sync them); the baseline is the all-reduce alone,
-against the driver first writing the msgspec `StepInput` frame on the worker's pipe (what
-`MultiprocExecutor` does) or broadcasting it over gloo (length, then payload).
+against the driver first writing the msgspec `StepInput` frame on the worker's link (what
+`MultiprocExecutor` does: a pipe to a spawned child, a loopback ZMQ socket to a Ray worker
+actor) or broadcasting it over gloo (length, then payload).
 
     .venv/bin/python bench/tensor_parallel.py [--steps 32] [--rounds 3] [--part model|broadcast]
         [--vllm]    # the peer: bench/setup_vllm_peer.sh
@@ -39,9 +40,11 @@ import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 import torch
+import zmq
 from torch.distributed import TCPStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,6 +54,7 @@ from bench.tensor_parallel_peer import MAX_MODEL_LEN, Figures, VllmPeer, measure
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.model.step_input import StepInput
+from shoal.engine.model.tp_links import ZmqDriverLink, ZmqWorkerLink
 from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
 from shoal.engine.protocol import EngineCoreRequest, SamplingParams
 from tests.factories import make_tiny_checkpoint
@@ -173,9 +177,19 @@ def _ratios(ours: Figures, theirs: Figures) -> str:
     )
 
 
-def _broadcast_peer(rank: int, port: int, mode: str, iters: int, conn: Connection | None) -> float:
+def _broadcast_peer(
+    rank: int,
+    port: int,
+    mode: str,
+    iters: int,
+    conn: Connection | ZmqWorkerLink | None,
+    zmq_address: str = "",
+    driver_pid: int = 0,
+) -> float:
     """Runs `iters` empty steps; returns the median step in microseconds."""
     torch.set_num_threads(1)
+    if mode == "zmq" and rank == 1:  # a Ray TP worker's end of its link
+        conn = cast(Any, ZmqDriverLink(zmq_address, driver_pid))
     groups = ProcessGroups.join(
         Rendezvous("127.0.0.1", port, group_name=mode), rank, 2,
         device=torch.device("cpu"), timeout_s=60,
@@ -187,7 +201,7 @@ def _broadcast_peer(rank: int, port: int, mode: str, iters: int, conn: Connectio
     times = []
     for _ in range(iters):
         started = time.perf_counter()
-        if conn is not None:  # the pipe
+        if conn is not None:  # the pipe, or the loopback ZMQ link
             if rank == 0:
                 conn.send_bytes(frame)
             else:
@@ -211,17 +225,32 @@ def bench_broadcast(iters: int) -> None:
     context = multiprocessing.get_context("spawn")
     print("per-step handoff of a batch-8 decode StepInput, then one 1-element all-reduce (us)")
     results = {}
-    for mode in ("none", "pipe", "gloo"):
+    zmq_context: zmq.Context[Any] = zmq.Context()
+    for mode in ("none", "pipe", "zmq", "gloo"):
         store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
         reader, writer = context.Pipe(duplex=False) if mode == "pipe" else (None, None)
-        worker = context.Process(target=_broadcast_peer, args=(1, store.port, mode, iters, reader))
+        driver_end: Connection | ZmqWorkerLink | None = writer
+        address = ""
+        if mode == "zmq":
+            driver_end = ZmqWorkerLink(zmq_context, on_stop=lambda: None)
+            address = driver_end.address
+        worker = context.Process(
+            target=_broadcast_peer,
+            args=(1, store.port, mode, iters, reader, address, os.getpid()),
+        )
         worker.start()
-        results[mode] = _broadcast_peer(0, store.port, mode, iters, writer)
+        if isinstance(driver_end, ZmqWorkerLink):
+            driver_end.attach(cast(int, worker.pid))
+        results[mode] = _broadcast_peer(0, store.port, mode, iters, driver_end)
         worker.join()
+        if isinstance(driver_end, ZmqWorkerLink):
+            driver_end.stop(0.0)
+    zmq_context.term()
     base = results["none"]
     for mode, label in (
         ("none", "all-reduce alone"),
         ("pipe", "pipe + msgspec"),
+        ("zmq", "loopback ZMQ + msgspec"),
         ("gloo", "gloo broadcast"),
     ):
         extra = f"   {results[mode] - base:+.0f}" if mode != "none" else ""

@@ -60,8 +60,9 @@ from shoal.engine.model.tp_experts import TPExpertWorkers
 from shoal.engine.model.tp_links import DriverLink, SpawnLauncher, WorkerLauncher, WorkerLink
 from shoal.engine.model.worker import Worker, WorkerInfo
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
+from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous, connect_store
 from shoal.engine.parallel.expert_parallel import make_expert_parallel
+from shoal.engine.parallel.shm_collectives import ShmCollectives, shm_supported
 from shoal.engine.parallel.tensor_parallel import TensorParallel
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -316,11 +317,16 @@ class MultiprocExecutor(Executor):
 def join_group(
     rendezvous: Rendezvous, rank: int, size: int, device: torch.device, timeout_s: float
 ) -> TensorParallel:
-    """Joins the rank's TP group; collectives wait at most `timeout_s` for a worker."""
+    """Joins the rank's TP group (and, on the CPU, its shared-memory collectives: the workers
+    share a node); collectives wait at most `timeout_s` for a worker."""
     groups = ProcessGroups.join(
         rendezvous, rank, size, device=device, timeout_s=timeout_s, join_timeout_s=START_TIMEOUT_S
     )
-    return TensorParallel(rank, size, groups)
+    shm = None
+    if device.type == "cpu" and shm_supported():
+        store = connect_store(rendezvous, START_TIMEOUT_S)
+        shm = ShmCollectives.join(store, rank, size, timeout_s, join_timeout_s=START_TIMEOUT_S)
+    return TensorParallel(rank, size, groups, shm)
 
 
 def _worker_device(device: torch.device, rank: int) -> torch.device:

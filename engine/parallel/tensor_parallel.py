@@ -13,8 +13,10 @@ Sharding (Megatron-style, as the layers in `shoal.engine.model` apply it):
   worker holds the one KV head its query heads read (replicated across the workers sharing it).
 
 The workers form their groups over `ProcessGroups` (`shoal.engine.parallel.distributed`): the
-device group (NCCL on CUDA, gloo on CPU) carries the all-reduces and all-gathers. A collective
-that waits past the groups' timeout raises in every worker still alive.
+device group (NCCL on CUDA, gloo on CPU) carries the all-reduces and all-gathers, except that
+CPU workers exchange tensors that fit a slot through shared memory (`ShmCollectives`: a
+decode step's collectives). A collective that waits past the timeout raises in every worker
+still alive.
 
 Knows nothing of processes, models or the scheduler.
 """
@@ -27,6 +29,7 @@ import torch
 
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.distributed import ProcessGroups
+from shoal.engine.parallel.shm_collectives import ShmCollectives
 
 
 def check_tensor_parallel(arch: ModelArch, tensor_parallel_size: int) -> None:
@@ -87,12 +90,19 @@ class TensorParallel:
         groups: the group's process groups; None only when `size` is 1.
     """
 
-    def __init__(self, rank: int, size: int, groups: ProcessGroups | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        groups: ProcessGroups | None = None,
+        shm: ShmCollectives | None = None,
+    ) -> None:
         assert 0 <= rank < size, f"TP rank {rank} outside [0, {size})"
         assert groups is not None or size == 1, "a TP group of several workers needs groups"
         self.rank = rank
         self.size = size
         self.groups = groups
+        self.shm = shm
 
     @property
     def is_driver(self) -> bool:
@@ -121,6 +131,8 @@ class TensorParallel:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the workers, in place; returns it."""
         if self.size > 1:
+            if self.shm is not None and self.shm.fits(tensor):
+                return self.shm.all_reduce(tensor)
             assert self.groups is not None
             self.groups.device.allreduce([tensor]).wait()
         return tensor
@@ -129,6 +141,8 @@ class TensorParallel:
         """Every worker's `tensor` side by side along the last dimension, by rank."""
         if self.size == 1:
             return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm.all_gather_last(tensor)
         assert self.groups is not None
         local = tensor.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)]
@@ -137,6 +151,8 @@ class TensorParallel:
 
     def destroy(self) -> None:
         """Releases the groups; collectives in flight on them fail. Idempotent."""
+        if self.shm is not None:
+            self.shm.close()
         if self.groups is not None:
             self.groups.destroy()
 
