@@ -7,8 +7,9 @@
    dependency: `pip install --target DIR xgrammar apache-tvm-ffi --no-deps`, then
    PYTHONPATH=DIR).
 2. The engine: SmolLM2-135M on the CPU, the same chat requests greedy, under a JSON schema and
-   free (EOS ignored, each request as many tokens as its structured answer); output tokens/s
-   of each (best of --rounds) and the ratio.
+   free (EOS ignored, each request as many tokens as its structured answer), prefix caching
+   off (else the free run finds the structured run's prompts cached); output tokens/s of each
+   (best of --rounds) and the ratio.
 3. With --vllm, vLLM's CPU build beside it (`.bench/vllm-venv` on `.bench/smollm2-135m`, made
    by `bench/setup_vllm_peer.sh`, run with `VLLM_CPU_OMP_THREADS_BIND=0-1
    VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4`): the same chat requests, the same
@@ -210,7 +211,9 @@ def make_shoal_llm(path: str) -> LLM:
     from shoal.client import LLM, SamplingParams
     from shoal.engine.protocol import StructuredOutputsParams
 
-    llm = LLM(path, max_model_len=MAX_MODEL_LEN)
+    # No prefix cache on either engine: the free run would find the structured run's prompts
+    # cached and prefill nothing.
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     warm_up = StructuredOutputsParams(json=WARM_UP_SCHEMA)
     llm.chat(
         chat_prompts(1), SamplingParams(max_tokens=4, structured_outputs=warm_up), use_tqdm=False
@@ -259,6 +262,7 @@ def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
         max_model_len=MAX_MODEL_LEN,
         seed=0,
         disable_log_stats=True,
+        enable_prefix_caching=False,
     )
     prompts = job["prompts"]
 
