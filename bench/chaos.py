@@ -307,7 +307,11 @@ class Chaos:
     async def _until_all_serve(self, since: float, timeout_s: float) -> float | None:
         """Seconds from `since` until every rank of the cluster is READY; None past timeout."""
         while time.monotonic() < since + timeout_s:
-            membership = await asyncio.to_thread(self.handle.membership)
+            try:
+                membership = await asyncio.to_thread(self.handle.membership)
+            except ray.exceptions.RayActorError:  # the registry was on the lost node: restarting
+                await asyncio.sleep(0.5)
+                continue
             states = [info.state for info in membership.ranks.values()]
             if len(states) == self.size and all(s == RankState.READY for s in states):
                 return time.monotonic() - since
@@ -408,6 +412,9 @@ async def _run(args: argparse.Namespace, checkpoint: str, cluster: SimulatedClus
                 fault.note = await injectors[kind]()
             except NoTarget as e:
                 print(f"skipped: {e}", flush=True)
+                continue
+            except ray.exceptions.RayActorError as e:  # the registry restarts after a node loss
+                print(f"skipped: the cluster's control plane did not answer ({e!r:.80})")
                 continue
             faults.append(fault)
             print(fault.note, flush=True)
