@@ -175,11 +175,14 @@ class EngineSet:
 
     def is_terminal(self, dead: EngineDeadError) -> bool:
         """Whether this death ends the client's output stream for good: every engine is dead
-        and none may come back."""
+        and none may come back. A set left empty (its last engine removed, say after a failed
+        HELLO) ends it only when no engine may be attached again."""
         if dead.engine_index is None:
             return True
         with self._lock:
             indices = list(self._engines)
+        if not indices:
+            return not self._engines_can_return
         return all(self.is_dead(i) and not self.may_return(i) for i in indices)
 
     # --- how the set changes -----------------------------------------------------------------

@@ -73,6 +73,18 @@ def test_a_dead_engine_that_may_return_is_attached_again_and_a_lost_one_is_termi
     assert engines.is_terminal(EngineDeadError(engine_index=0))
 
 
+def test_a_set_emptied_by_removal_ends_the_client_only_if_no_engine_may_come() -> None:
+    # A cluster client whose every rank refused its first HELLO (its key not yet admitted)
+    # has removed them all; its cluster link attaches them again: not the end.
+    engines = EngineSet(engines_can_return=True)
+    engines.attach(_endpoint(0))
+    engines.remove(0)
+    removed = EngineDeadError("it was removed from this client", engine_index=0)
+    assert not engines.is_terminal(removed)
+    engines.set_engines_can_return(False)
+    assert engines.is_terminal(removed)
+
+
 async def test_removing_reattaching_and_losing_a_rank_changes_the_one_engine_set(
     engine_checkpoint: str,
 ) -> None:
