@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import torch
 
 from shoal.client.llm import LLM
 from shoal.engine.config import EngineConfig
@@ -40,6 +41,14 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
         "num_kv_heads": 1,
     },
 }
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Any:
+    """A TP executor in this process sets its driver worker's torch threads process-wide."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _checkpoint(tmp_path: Path, name: str) -> str:

@@ -149,6 +149,11 @@ def test_a_paused_rank_rebuilds_its_groups_in_process_when_a_peer_restarts(
         ]
         assert tokens[0] == tokens[1]
         assert len(tokens[1]) == 6
+        # Both ranks paused before they stop: a rank stopped mid-wave would leave its peer
+        # blocked in a collective until the collective timeout.
+        new_wave = engines[1].proc._wave
+        assert new_wave is not None
+        assert wait_until(lambda: not wave.is_running and not new_wave.is_running, 10)
     finally:
         peer.close()
         for engine in engines.values():
