@@ -54,26 +54,60 @@ class Load:
         await asyncio.gather(*(worker() for _ in range(self.concurrency)))
 
     async def _one(self, prompt: list[int], params: SamplingParams) -> Served:
-        start = time.monotonic()
-        ranks: list[int] = []
-        events: list[tuple[float, int, int | None]] = []
-        final = None
-        async for output in self.llm.generate({"prompt_token_ids": prompt}, params):
-            rank = output.data_parallel_rank
-            if output.new_token_ids or output.finished:
-                events.append((time.monotonic(), len(output.new_token_ids), rank))
-            if rank is not None and rank not in ranks:
-                ranks.append(rank)
-            final = output
-        assert final is not None
-        completion = final.outputs[0]
-        return Served(
-            prompt,
-            list(completion.token_ids),
-            ranks,
-            completion.finish_reason,
-            final.error,
-            start,
-            time.monotonic(),
-            events,
-        )
+        return await stream_one(self.llm, prompt, params)
+
+
+async def stream_one(
+    llm: AsyncLLM,
+    prompt: list[int],
+    params: SamplingParams,
+    first_rank: asyncio.Future[int | None] | None = None,
+) -> Served:
+    """Streams one request to its end; `first_rank`, if given, learns the rank of its first
+    output as soon as it arrives."""
+    start = time.monotonic()
+    ranks: list[int] = []
+    events: list[tuple[float, int, int | None]] = []
+    final = None
+    async for output in llm.generate({"prompt_token_ids": prompt}, params):
+        rank = output.data_parallel_rank
+        if output.new_token_ids or output.finished:
+            events.append((time.monotonic(), len(output.new_token_ids), rank))
+        if rank is not None and rank not in ranks:
+            ranks.append(rank)
+        if first_rank is not None and not first_rank.done():
+            first_rank.set_result(rank)
+        final = output
+    assert final is not None
+    completion = final.outputs[0]
+    return Served(
+        prompt,
+        list(completion.token_ids),
+        ranks,
+        completion.finish_reason,
+        final.error,
+        start,
+        time.monotonic(),
+        events,
+    )
+
+
+async def hold_on_ranks(
+    llm: AsyncLLM,
+    prompts: list[list[int]],
+    max_tokens: int,
+    ranks: set[int],
+    *,
+    attempts: int = 16,
+) -> list[asyncio.Task[Served]]:
+    """Starts long greedy requests on `llm`, one after another, until one streams from a rank
+    in `ranks` (the policy picks the rank: a pinned request would not move). Returns every
+    started request's task; the last one is the request held on one of `ranks`."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tasks: list[asyncio.Task[Served]] = []
+    for prompt in itertools.islice(itertools.cycle(prompts), attempts):
+        first_rank: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.create_task(stream_one(llm, prompt, params, first_rank)))
+        if await first_rank in ranks:
+            return tasks
+    raise AssertionError(f"no request of {attempts} reached a rank in {sorted(ranks)}")

@@ -27,7 +27,7 @@ from shoal.cluster.placement import (
 )
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import RECONFIGURED
-from tests.cluster.elastic_load import Load, Served
+from tests.cluster.elastic_load import Load, Served, hold_on_ranks
 from tests.factories import make_tiny_checkpoint
 from tests.ray_utils import unique_namespace
 from tests.reference import GreedyTrace, assert_greedy_matches, hf_greedy
@@ -43,6 +43,8 @@ ENGINE_KWARGS: dict[str, Any] = {
 }
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400, 17], [42] * 9, [7, 300, 11, 12], [9, 8, 7, 6, 5, 4]]
 MAX_TOKENS = 24
+# A request held on a leaving rank across a scale-down: long enough to outlast the resize.
+HELD_MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +59,13 @@ def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=3)
 
 
-def _references(checkpoint: str) -> dict[tuple[int, ...], GreedyTrace]:
+def _references(
+    checkpoint: str, max_tokens: int = MAX_TOKENS
+) -> dict[tuple[int, ...], GreedyTrace]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    return {tuple(p): hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS}
+    return {tuple(p): hf_greedy(model, p, max_tokens) for p in PROMPTS}
 
 
 def _launch(checkpoint: str, *, expert_parallel: bool) -> ClusterHandle:
@@ -123,12 +127,16 @@ def _live_placement_groups(cluster: ClusterHandle) -> set[str]:
     }
 
 
-def _check_served(served: list[Served], references: dict[tuple[int, ...], GreedyTrace]) -> None:
+def _check_served(
+    served: list[Served],
+    references: dict[tuple[int, ...], GreedyTrace],
+    max_tokens: int = MAX_TOKENS,
+) -> None:
     assert served, "the drivers finished no request"
     for s in served:
         assert s.error is None, s
         assert s.finish_reason == "length", s
-        assert len(s.token_ids) == MAX_TOKENS, s
+        assert len(s.token_ids) == max_tokens, s
         assert_greedy_matches(s.token_ids, references[tuple(s.prompt)], label=str(s.ranks))
 
 
@@ -138,13 +146,23 @@ async def _resize_under_load(
     checkpoint: str,
     sizes: list[int],
 ) -> list[Served]:
-    """Resizes through `sizes` while both drivers stream; checks every guarantee."""
+    """Resizes through `sizes` while both drivers stream; checks every guarantee. Before each
+    scale-down a long request is held on a leaving rank, so each one hands a request over.
+    Returns the drivers' requests, then the held ones."""
     references = _references(checkpoint)
     loads = [Load(llm, PROMPTS, MAX_TOKENS) for llm in drivers]
     tasks = [asyncio.create_task(load.run()) for load in loads]
+    held: list[asyncio.Task[Served]] = []
+    on_leaving: list[asyncio.Task[Served]] = []  # the held request of each scale-down
     await asyncio.sleep(1.0)
     epochs = []
+    current = len(drivers[0].serving_ranks())
     for size in sizes:
+        if size < current:
+            leaving = set(range(size, current))
+            held += await hold_on_ranks(drivers[1], PROMPTS, HELD_MAX_TOKENS, leaving)
+            on_leaving.append(held[-1])
+        current = size
         started = time.monotonic()
         report = await drivers[0].scale_elastic_ep(size)
         assert report["outcome"] == "committed" and report["to_size"] == size
@@ -169,6 +187,10 @@ async def _resize_under_load(
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     served = [s for load in loads for s in load.served]
     _check_served(served, references)
+    held_served = list(await asyncio.wait_for(asyncio.gather(*held), 120))
+    _check_served(held_served, _references(checkpoint, HELD_MAX_TOKENS), HELD_MAX_TOKENS)
+    for task in on_leaving:  # each moved off its leaving rank, finishing with HF's tokens
+        assert len(task.result().ranks) > 1, task.result()
     # Both drivers heard every resize from every rank of its new set.
     for llm in drivers:
         notices = list(llm.engine_core.scale_notices)  # type: ignore[attr-defined]
@@ -178,7 +200,7 @@ async def _resize_under_load(
     final = sizes[-1]
     assert _named_engines(cluster) == {f"shoal-engine-{r}" for r in range(final)}
     assert len(_live_placement_groups(cluster)) == final
-    return served
+    return served + held_served
 
 
 @in_module_loop
