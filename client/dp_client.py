@@ -268,8 +268,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ) -> None:
         self.policy = policy or make_policy("cache-aware")
         self.migrator = RequestMigrator(migration_limit)
-        self.router = RequestRouter()
         self.kv_index = KVCacheIndex()
+        self.router = RequestRouter(on_started=self.kv_index.settle)
         super().__init__(endpoints, **kwargs)
 
     def get_core_engine_for_request(
@@ -297,6 +297,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         Raises:
             EngineDeadError: no rank is serving.
         """
+        return self._route(request, session_id)[0]
+
+    def _route(
+        self, request: EngineCoreRequest, session_id: str | None
+    ) -> tuple[RoutingDecision, list[int]]:
+        """`route`, with the prompt's block keys (empty when no rank caches anything)."""
         routable = self.lb_engines
         if not routable:
             raise EngineDeadError("no engine rank is serving")
@@ -305,7 +311,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         for rank in index.unsynced(routable):
             self._resync_kv_index(rank)  # attached before the event loop ran
         keys: list[int] = []
-        if index.block_size and len(routable) > 1 and index.num_keys:
+        if index.block_size and len(routable) > 1:  # keys cached or expected, or to expect
             try:
                 keys = prompt_routing_keys(tokens, index.block_size)
             except (OverflowError, TypeError):
@@ -320,7 +326,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             )
             for rank in routable
         ]
-        return self.policy.choose(RouteRequest(len(tokens), session_id), views)
+        return self.policy.choose(RouteRequest(len(tokens), session_id), views), keys
 
     async def _wait_for_a_rank(self) -> bool:
         """Waits (`wait_for_engines`) for a routable rank, if ranks may come back."""
@@ -355,12 +361,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             num_migrations: how often it moved off a failed rank already (the migrator's).
         """
         try:
-            decision = self._decide(request, session_id)
+            decision, keys = self._decide(request, session_id)
         except EngineDeadError:
             # Every rank is down here; wait for one a cluster link is attaching again.
             if not await self._wait_for_a_rank():
                 raise
-            decision = self._decide(request, session_id)
+            decision, keys = self._decide(request, session_id)
         rank = decision.rank if decision is not None else request.data_parallel_rank
         assert rank is not None
         # The DP wave last published: lets an expert-parallel rank tell a request that raced
@@ -372,9 +378,19 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         if decision is not None:
             predicted = decision.predicted_hit_tokens
             self.router.stats.on_decision(decision.reason)
-        num_tokens = len(request.prompt_token_ids)
+        # The prefill it adds to the rank's load: what the rank is not expected to hold.
+        num_tokens = len(request.prompt_token_ids) + len(request.resumed_output_token_ids)
+        num_tokens -= predicted or 0
+        if keys:
+            self.kv_index.expect(rank, keys)
         self.router.on_sent(
-            request.request_id, rank, num_tokens, request, predicted, num_migrations
+            request.request_id,
+            rank,
+            num_tokens,
+            request,
+            predicted,
+            num_migrations,
+            expected_keys=keys or None,
         )
         self.policy.on_sent(rank)
         try:
@@ -430,16 +446,23 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self.router.forget_rank(engine_index)
         self.kv_index.drop_rank(engine_index)
 
-    def _decide(self, request: EngineCoreRequest, session_id: str | None) -> RoutingDecision | None:
-        """The policy's decision, or None for a request pinned to a serving rank."""
+    def _decide(
+        self, request: EngineCoreRequest, session_id: str | None
+    ) -> tuple[RoutingDecision | None, list[int]]:
+        """The policy's decision and the prompt's block keys; no decision for a request
+        pinned to a serving rank."""
         if request.data_parallel_rank is not None:
             self.get_core_engine_for_request(request)  # checks the pin
-            return None
-        return self.route(request, session_id)
+            return None, []
+        return self._route(request, session_id)
 
     def _on_attached(self, engine_index: int, facts: EngineFacts) -> None:
-        """A rank (a new incarnation) starts with an empty cache view, synced from a snapshot."""
+        """A rank (a new incarnation) starts with an empty cache view, synced from a snapshot;
+        a rank without a prefix cache has no view."""
         super()._on_attached(engine_index, facts)
+        if not facts.enable_prefix_caching:
+            self.kv_index.drop_rank(engine_index)  # nothing to index: routing sees no cache
+            return
         self.kv_index.add_rank(engine_index, facts.block_size)
         self._resync_kv_index(engine_index)
 

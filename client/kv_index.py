@@ -21,6 +21,16 @@ that attaches starts UNSYNCED with no keys; the client asks it for a snapshot at
 (`get_kv_cache_snapshot`), and again on a failed fetch at the next batch or routing. A rank
 that dies or leaves is dropped with all its keys; one that comes back is a new incarnation and
 starts over.
+
+Expected blocks. Between sending a prompt to a rank and that rank's first output for it, the
+events cannot yet show the prompt's blocks: a second prompt with the same prefix, routed in
+that window, would find it cached nowhere and go wherever load says, and both ranks would
+compute (and then hold) the same document. So this client also counts, per rank, the blocks
+of its own prompts in flight there that have produced no output yet (`expect` when sent,
+`settle` at the first output, finish, abort or hand-over; the events then carry what the
+rank really kept). `match` counts a block as held where it is cached or expected. Expected
+blocks are this front end's own, so two front ends agree exactly once their prompts in flight
+have started.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ class RankCacheView:
         default_factory=lambda: deque(maxlen=MAX_BUFFERED_BATCHES)
     )
     num_resyncs: int = 0  # snapshots taken after the first (gaps and overflows)
+    # Blocks of this client's prompts sent here and not started yet: key -> how many prompts.
+    expected: dict[int, int] = field(default_factory=dict)
 
 
 class KVCacheIndex:
@@ -67,6 +79,7 @@ class KVCacheIndex:
         self.block_size = block_size
         self.views: dict[int, RankCacheView] = {}
         self._ranks_of: dict[int, int] = {}  # routing key -> bit mask of the ranks holding it
+        self._expected_at: dict[int, int] = {}  # routing key -> bit mask of ranks expecting it
         self._next_bit = 0
 
     def add_rank(self, rank: int, block_size: int) -> None:
@@ -81,6 +94,7 @@ class KVCacheIndex:
         view = self.views.pop(rank, None)
         if view is not None:
             self._clear(view)
+            self._unexpect(view, list(view.expected), all_of_them=True)
 
     def need_snapshot(self, rank: int) -> bool:
         """Whether `rank` is UNSYNCED; if so it becomes SYNCING and the caller must fetch a
@@ -139,8 +153,27 @@ class KVCacheIndex:
         view.next_seq += 1
         return False
 
+    def expect(self, rank: int, keys: Sequence[int]) -> None:
+        """A prompt with these block keys was sent to `rank` (see "Expected blocks")."""
+        view = self.views.get(rank)
+        if view is None:
+            return
+        expected, expected_at = view.expected, self._expected_at
+        for key in keys:
+            count = expected.get(key, 0)
+            expected[key] = count + 1
+            if not count:
+                expected_at[key] = expected_at.get(key, 0) | view.bit
+
+    def settle(self, rank: int, keys: Sequence[int]) -> None:
+        """A prompt `expect`ed at `rank` started (or ended, or left): its keys count no more."""
+        view = self.views.get(rank)
+        if view is not None:
+            self._unexpect(view, keys)
+
     def match(self, keys: Sequence[int], ranks: Iterable[int]) -> dict[int, int]:
-        """How many leading blocks of a prompt's chain of `keys` each of `ranks` holds.
+        """How many leading blocks of a prompt's chain of `keys` each of `ranks` holds or is
+        expected to hold (see "Expected blocks").
 
         O(len(ranks) + matched blocks): every rank's bit is tested against each key at once.
         """
@@ -150,8 +183,9 @@ class KVCacheIndex:
         for bit in bits.values():
             alive |= bit
         num_blocks = 0
+        ranks_of, expected_at = self._ranks_of, self._expected_at
         for key in keys:
-            still = alive & self._ranks_of.get(key, 0)
+            still = alive & (ranks_of.get(key, 0) | expected_at.get(key, 0))
             if still != alive:
                 for rank, bit in bits.items():
                     if alive & bit and not still & bit:
@@ -167,8 +201,9 @@ class KVCacheIndex:
 
     @property
     def num_keys(self) -> int:
-        """Distinct blocks cached on any rank (0: no prompt can match; skip hashing it)."""
-        return len(self._ranks_of)
+        """Distinct blocks cached or expected on any rank (0: no prompt can match; skip
+        hashing it)."""
+        return len(self._ranks_of) + len(self._expected_at)
 
     def unsynced(self, ranks: Iterable[int]) -> list[int]:
         """Those of `ranks` that are UNSYNCED (their view waits for a snapshot request)."""
@@ -205,6 +240,22 @@ class KVCacheIndex:
                     ranks_of[key] = mask
                 else:
                     del ranks_of[key]
+
+    def _unexpect(
+        self, view: RankCacheView, keys: Sequence[int], *, all_of_them: bool = False
+    ) -> None:
+        expected, expected_at = view.expected, self._expected_at
+        for key in keys:
+            count = expected.get(key, 0) - 1
+            if count > 0 and not all_of_them:
+                expected[key] = count
+            elif key in expected:
+                del expected[key]
+                mask = expected_at[key] & ~view.bit
+                if mask:
+                    expected_at[key] = mask
+                else:
+                    del expected_at[key]
 
     def _clear(self, view: RankCacheView) -> None:
         self._remove_keys(view, list(view.keys))

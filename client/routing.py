@@ -10,7 +10,7 @@ of this client's sends there that those stats miss. A load-balancing policy only
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -39,6 +39,9 @@ class InFlightRequest:
     predicted_hit_tokens: int | None = None
     # How often the request moved off a failed rank (`shoal.client.migration`).
     num_migrations: int = 0
+    # Its prompt's block keys the client's KV index expects at the rank until it starts
+    # (`KVCacheIndex.expect`); None once settled, or when nothing was expected.
+    expected_keys: list[int] | None = None
 
     def resumed_request(self) -> EngineCoreRequest:
         """The request to send to another rank, continuing from where this one left it."""
@@ -134,12 +137,18 @@ class RoutingStats:
 
 
 class RequestRouter:
-    """Where this client's requests are, and each rank's load as this client sees it."""
+    """Where this client's requests are, and each rank's load as this client sees it.
 
-    def __init__(self) -> None:
+    Args:
+        on_started: called once per request with `expected_keys`, with its rank and those
+            keys, when it stops being unseen (first output, finish, abort or hand-over).
+    """
+
+    def __init__(self, on_started: Callable[[int, list[int]], None] | None = None) -> None:
         self.loads: dict[int, RankLoad] = {}
         self._rank_of: dict[str, int] = {}
         self.stats = RoutingStats()
+        self._on_started = on_started
 
     def __len__(self) -> int:
         """The number of this client's requests in flight."""
@@ -166,12 +175,14 @@ class RequestRouter:
         request: EngineCoreRequest | None = None,
         predicted_hit_tokens: int | None = None,
         num_migrations: int = 0,
+        expected_keys: list[int] | None = None,
     ) -> None:
         """Records a send; keeps `request` (and from now on its tokens) if given."""
         load = self.load(rank)
         entry = InFlightRequest(prompt_tokens, load.num_sent, request=request)
         entry.predicted_hit_tokens = predicted_hit_tokens
         entry.num_migrations = num_migrations
+        entry.expected_keys = expected_keys
         load.add(request_id, entry)
         self._rank_of[request_id] = rank
 
@@ -200,11 +211,11 @@ class RequestRouter:
             self.stats.actual_hit_tokens += num_cached_tokens
         if finished:
             del self._rank_of[request_id]
-            load.mark_seen(load.in_flight.pop(request_id))
+            self._seen(rank, load, load.in_flight.pop(request_id))
         else:
             entry = load.in_flight[request_id]
             entry.has_output = True
-            load.mark_seen(entry)
+            self._seen(rank, load, entry)
             if entry.request is not None:
                 entry.token_ids.extend(new_token_ids)
         return True
@@ -241,7 +252,7 @@ class RequestRouter:
         del self._rank_of[request_id]
         load = self.loads[rank]
         entry = load.in_flight.pop(request_id)
-        load.mark_seen(entry)
+        self._seen(rank, load, entry)
         return entry
 
     def on_aborted(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
@@ -251,7 +262,7 @@ class RequestRouter:
             rank = self._rank_of.pop(request_id, None)
             if rank is not None:
                 load = self.loads[rank]
-                load.mark_seen(load.in_flight.pop(request_id))
+                self._seen(rank, load, load.in_flight.pop(request_id))
                 by_rank.setdefault(rank, []).append(request_id)
         return by_rank
 
@@ -264,7 +275,7 @@ class RequestRouter:
         taken, load.in_flight = load.in_flight, {}
         for request_id, entry in taken.items():
             del self._rank_of[request_id]
-            load.mark_seen(entry)
+            self._seen(rank, load, entry)
         return taken
 
     def forget_rank(self, rank: int) -> list[str]:
@@ -278,3 +289,12 @@ class RequestRouter:
         for request_id in load.in_flight:
             del self._rank_of[request_id]
         return list(load.in_flight)
+
+    def _seen(self, rank: int, load: RankLoad, entry: InFlightRequest) -> None:
+        """The request started, ended or left `rank`: its load counts as the rank's own, and
+        its expected blocks are settled."""
+        load.mark_seen(entry)
+        if entry.expected_keys is not None:
+            keys, entry.expected_keys = entry.expected_keys, None
+            if self._on_started is not None:
+                self._on_started(rank, keys)

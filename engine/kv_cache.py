@@ -183,7 +183,8 @@ class KVCacheManager:
             assert block_hash is not None, f"hit block {block_id} is not cached"
             block_hashes.append(block_hash)
         self._block_hashes[request.request_id] = block_hashes
-        if self.enable_prefix_caching:
-            # Counted once per admission; a preempted request's re-lookup is a real query too.
+        if self.enable_prefix_caching and not request.num_preemptions:
+            # Counted once per request, as vLLM counts `prefix_cache_queries`: a preempted
+            # request's re-lookup is left out (its recompute shows in the prompt-token count).
             self.num_prefix_cache_queries += request.num_tokens
             self.num_prefix_cache_hits += len(computed_blocks) * self.block_size

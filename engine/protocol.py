@@ -382,6 +382,8 @@ class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     # say how many attaches they reflect, so a client can tell a report that predates its
     # attach from one that no longer counts it (see `EngineStatsReport`).
     attach_serial: int = 0
+    # Whether its prefix cache is on: a client indexes the caches of those that have one.
+    enable_prefix_caching: bool = True
 
 
 class EngineEndpoint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -78,6 +78,9 @@ class Request:
         self.num_resumed_tokens = len(resumed_output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not looked up
+        # Prompt tokens cached when it was queued: its pending prefill while it waits is the
+        # rest (an estimate: the cache may change before it is admitted).
+        self.num_queued_hit_tokens = 0
         self.num_preemptions = 0
         # Engine-local monotonic times: taken in, and first scheduled (for the queue time).
         self.queued_at = time.monotonic()

@@ -38,9 +38,13 @@ class Scheduler:
          running request is preempted (blocks freed, recomputed later from scratch, put at the
          front of the waiting queue); possibly the request itself.
       2. If nobody was preempted, waiting requests in order while the budget, the seat limit
-         and the free blocks allow; each starts after its prefix-cache hit. Without chunked
-         prefill a request's tokens must fit whole in the remaining budget, except a resumed
-         request that outgrew the whole budget, which could otherwise never run again.
+         and the free blocks allow; each starts after its prefix-cache hit. A request is
+         admitted only when the free blocks hold its whole prompt (and resumed tokens), not
+         just its first chunk, as vLLM's `scheduler_reserve_full_isl` does: a long prompt
+         admitted chunk by chunk would otherwise take the blocks the running requests need
+         for their next tokens, and preempt them. Without chunked prefill a request's tokens
+         must fit whole in the remaining budget, except a resumed request that outgrew the
+         whole budget, which could otherwise never run again.
 
     A request that can never fit (empty prompt, prompt + 1 token over `max_model_len` or over
     the whole pool, or a prompt over the step budget without chunked prefill) finishes at once
@@ -125,6 +129,7 @@ class Scheduler:
             request.error_message = error
             self._finish(request, RequestStatus.FINISHED_ERROR)
             return
+        _, request.num_queued_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -193,9 +198,16 @@ class Scheduler:
         return outputs
 
     def make_stats(self) -> SchedulerStats:
-        """A load snapshot: queue lengths, KV usage, the step counter and running totals."""
+        """A load snapshot: queue lengths, KV usage, the step counter and running totals.
+
+        The pending prefill of a request that waits leaves out what the prefix cache held of
+        its prompt when it was queued: that is the work it will take, which routing weighs.
+        """
         kv = self.kv_cache_manager
-        pending = sum(r.num_pending_prefill_tokens for r in self.waiting)
+        pending = sum(
+            r.num_pending_prefill_tokens - (0 if r.num_computed_tokens else r.num_queued_hit_tokens)
+            for r in self.waiting
+        )
         pending += sum(r.num_pending_prefill_tokens for r in self.running)
         return SchedulerStats(
             num_running_reqs=len(self.running),
@@ -251,8 +263,13 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_cached_tokens
             if num_new_tokens > token_budget and not self._can_chunk(num_new_tokens):
                 break
+            kv = self.kv_cache_manager
+            if num_new_tokens > token_budget and not kv.can_allocate(
+                request, num_new_tokens, computed_blocks
+            ):
+                break  # the whole prompt does not fit yet (FCFS: nobody overtakes the head)
             num_new_tokens = min(num_new_tokens, token_budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks):
+            if not kv.allocate_slots(request, num_new_tokens, computed_blocks):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -243,6 +243,7 @@ class EngineCore:
             vocab_size=self.arch.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
             data_parallel_size=self.config.parallel.data_parallel_size,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
         )
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -199,5 +200,41 @@ async def test_a_session_stays_on_its_rank_while_the_load_allows(
             await collect(client, {f"s-{i}"})
         assert client.router.stats.decisions.get("session") == 3
         assert client.route(request("free", [*doc, 9])).rank == 1
+    finally:
+        client.shutdown()
+
+
+async def test_prompts_sent_before_any_output_follow_the_blocks_expected_there(
+    ranks: list[ServedEngine],
+) -> None:
+    client = DPLBAsyncMPClient([e.endpoint for e in ranks])
+    docs = {**DOCS, "C": [3 + (i * 5 + 2) % 90 for i in range(DOC_TOKENS)]}
+    # The client sees neither outputs nor KV events during the burst: the window between a
+    # send and its first output, when no event can show the prompt's blocks yet.
+    held_outputs: list[tuple[list[Any], int]] = []
+    held_events: list[tuple[int, KVCacheEvents]] = []
+    on_outputs, apply_events = client.router.on_outputs, client.kv_index.apply_events
+    try:
+        await _synced(client)
+        client.router.on_outputs = lambda outs, rank: held_outputs.append((list(outs), rank))  # type: ignore[method-assign,func-returns-value]
+        client.kv_index.apply_events = lambda rank, b: held_events.append((rank, b)) or False  # type: ignore[method-assign,func-returns-value]
+        sent = {}
+        for name in ("A1", "B1", "A2", "C1", "B2"):
+            await client.add_request_async(request(name, [*docs[name[0]], int(name[1])]))
+            sent[name] = client.rank_of(name)
+        # A2 and B2 go where A1 and B1 went. With nothing expected, B2 would find no cache
+        # anywhere and go to rank 0 (equal load: A1, A2 there, B1, C1 on rank 1).
+        assert sent["A1"] != sent["B1"]
+        assert sent["A2"] == sent["A1"] and sent["B2"] == sent["B1"], sent
+        assert client.router.stats.decisions.get("cache") == 2
+        client.router.on_outputs = on_outputs  # type: ignore[method-assign]
+        client.kv_index.apply_events = apply_events  # type: ignore[method-assign]
+        for outs, rank in held_outputs:
+            on_outputs(outs, rank)
+        for rank, batch in held_events:
+            apply_events(rank, batch)
+        await collect(client, set(sent))
+        assert all(not view.expected for view in client.kv_index.views.values())
+        assert len(client.router) == 0
     finally:
         client.shutdown()

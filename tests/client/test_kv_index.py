@@ -76,3 +76,35 @@ def test_a_failed_snapshot_and_a_rank_that_leaves() -> None:
     _live(index, 0, [7])
     assert index.match([1], [0, 1]) == {0: 0, 1: 1}
     assert index.match([7], [0, 1]) == {0: 1, 1: 0}
+
+
+def test_expected_blocks_match_until_their_prompts_settle() -> None:
+    index = KVCacheIndex()
+    _live(index, 0, [])
+    _live(index, 1, [1])
+    index.expect(0, [1, 2, 3])
+    index.expect(0, [1, 2])  # a second prompt in flight with the same document
+    assert index.match([1, 2, 3, 4], [0, 1]) == {0: 3, 1: 1}
+    assert index.num_keys == 1 + 3
+    index.settle(0, [1, 2, 3])
+    assert index.match([1, 2, 3], [0, 1]) == {0: 2, 1: 1}  # the other prompt still expects 2
+    # The rank's events now say what it kept: cached blocks match, expected ones are gone.
+    assert not index.apply_events(0, KVCacheEvents(1, stored=[1, 2]))
+    index.settle(0, [1, 2])
+    assert index.match([1, 2, 3], [0, 1]) == {0: 2, 1: 1}
+    assert index.views[0].expected == {}
+    index.settle(0, [1, 2])  # settling again, or an unknown rank, changes nothing
+    index.settle(5, [1])
+    assert index.match([1, 2], [0]) == {0: 2}
+
+
+def test_a_rank_that_leaves_takes_its_expected_blocks_along() -> None:
+    index = KVCacheIndex()
+    _live(index, 0, [])
+    _live(index, 1, [])
+    index.expect(0, [7, 8])
+    index.expect(1, [7])
+    index.drop_rank(0)
+    assert index.match([7, 8], [0, 1]) == {0: 0, 1: 1}
+    index.settle(1, [7])
+    assert index.num_keys == 0

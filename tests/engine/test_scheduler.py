@@ -150,6 +150,8 @@ def test_repeated_prompt_hits_the_prefix_cache() -> None:
     assert first_result.outputs["first-0"][0].num_cached_tokens == 0
     again = Request("again", first.prompt_token_ids, SamplingParams(max_tokens=4))
     scheduler.add_request(again)
+    # While it waits, its pending prefill is what the cache does not hold: the load it is.
+    assert scheduler.make_stats().num_pending_prefill_tokens == 18 - 16
     result = run_until_done(scheduler, runner)
     assert result.steps[0] == [("again", 16, 2)]  # four full blocks reused
     assert all(o.num_cached_tokens == 16 for o in result.outputs["again"])
@@ -196,6 +198,33 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first() -> 
     run_until_done(scheduler, runner, result=result)
     for request in (older, newer, third):
         assert result.token_ids(request.request_id) == reference_tokens(request, 16)
+    # Each request's prompt is looked up once, as vLLM counts: not again after a preemption.
+    assert scheduler.make_stats().prefix_cache_queries_total == 3 * 4
+    _assert_all_blocks_free(scheduler)
+
+
+def test_a_long_prompt_waits_until_its_whole_prompt_fits_not_just_its_first_chunk() -> None:
+    # 12 blocks of 4 tokens; budget 16. `short` holds 5 blocks after its prompt and grows to
+    # 6 as it decodes. `long` (32 tokens: 8 blocks) has a first chunk of 4 blocks, which would
+    # fit at once; admitted chunk by chunk it would take the blocks `short` needs and preempt.
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    (short,) = make_requests(1, 16, max_tokens=8, id_prefix="short")
+    (long,) = make_requests(1, 32, max_tokens=4, id_prefix="long", seed=1)
+    _add(scheduler, [short])
+    runner = KVCheckingRunner(scheduler)
+    result = RunResult()
+    run_step(scheduler, runner, result)  # short's prompt: 4 blocks
+    scheduler.add_request(long)
+    # Long's prompt needs 8 blocks; short holds 5 or 6 of the 12 while it runs.
+    while not short.is_finished:
+        run_step(scheduler, runner, result)
+        assert long.status == RequestStatus.WAITING or short.is_finished
+    run_until_done(scheduler, runner, result=result)
+    assert scheduler.make_stats().num_preemptions_total == 0
+    for request in (short, long):
+        assert result.token_ids(request.request_id) == reference_tokens(
+            request, _max_num_tokens(scheduler)
+        )
     _assert_all_blocks_free(scheduler)
 
 
