@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from shoal.client.lb_policy import (
@@ -188,3 +189,30 @@ def test_make_policy_knows_the_cli_names() -> None:
         assert "cache-aware" in str(e)
     else:
         raise AssertionError("an unknown policy name was accepted")
+
+
+def test_at_equal_cache_cache_aware_chooses_as_least_loaded_does() -> None:
+    # No rank holds more of the prompt than another: the cache term is the same everywhere,
+    # so both policies pick the same rank for every load (the bench's equal-cache target).
+    rng = random.Random(5)
+    router = RequestRouter()
+    cache_aware, least_loaded = CacheAwarePolicy(), LeastLoadedPolicy()
+    for i in range(2000):
+        ranks = list(range(rng.randrange(2, 6)))
+        for r in ranks:
+            stats = SchedulerStats(
+                num_pending_prefill_tokens=rng.choice([0, 0, rng.randrange(2000)]),
+                num_running_reqs=rng.randrange(4),
+                num_waiting_reqs=rng.randrange(3),
+                num_cached_blocks=rng.randrange(50),
+                step_counter=i + 1,
+            )
+            router.load(r).update_stats(stats, 0)
+        shared = rng.choice([0, 0, 16 * rng.randrange(8)])
+        views = [
+            RankView(r, router.load(r), shared, router.load(r).stats.num_cached_blocks)  # type: ignore[union-attr]
+            for r in ranks
+        ]
+        request = RouteRequest(rng.randrange(1, 1200))
+        first, second = cache_aware.choose(request, views), least_loaded.choose(request, views)
+        assert first.rank == second.rank, (i, views)
