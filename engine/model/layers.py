@@ -47,6 +47,17 @@ def is_worth_packing(weight: torch.Tensor) -> bool:
     return weight.numel() >= MIN_PACKED_WEIGHT_NUMEL
 
 
+# Steps of at most this many rows read a projection's dense float32 weight, when it keeps one:
+# MKL's GEMV streams it at ~13 GB/s on one core, oneDNN's packed matmul at ~9 (1.45x the time
+# at 1 row, 1.33x at 2; from 4 rows packed is ahead, 0.67x; torch 2.13, AVX-512).
+DENSE_GEMV_MAX_ROWS = 2
+
+# A model whose packable float32 projections hold at most this many bytes (per worker) keeps
+# their dense copies beside the packed ones for those steps; a larger one keeps only the packed
+# copies, as the dense ones would double its weight memory.
+MAX_DUAL_LAYOUT_BYTES = 2 << 30
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A oneDNN blocked copy of a [out, in] weight (an opaque mkldnn tensor)."""
     # The batch-size hint only picks the blocking; any number of rows works afterwards.
@@ -95,14 +106,16 @@ def assign_blocks(
 
 @runtime_checkable
 class Packable(Protocol):
-    def pack(self) -> None:
-        """Swaps dense weights for oneDNN-packed copies (CPU only; see `can_pack_weights`)."""
+    def pack(self, keep_dense: bool = False) -> None:
+        """Adds oneDNN-packed copies of the dense weights (CPU only; see `can_pack_weights`)
+        and drops the dense ones unless `keep_dense` (see `MAX_DUAL_LAYOUT_BYTES`)."""
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b). The dense weight is what checkpoints load into (possibly by slices of a
-    fused weight); on CPU `pack()` then swaps it for oneDNN's blocked layout, which runs the
-    small-batch matmuls of decode steps markedly faster than the default BLAS path."""
+    fused weight); on CPU `pack()` then adds oneDNN's blocked layout, which runs matmuls of 4
+    to 64 rows markedly faster than the default BLAS path. Steps of 1 or 2 rows are faster on
+    the dense weight (`DENSE_GEMV_MAX_ROWS`), which stays when the model is small enough."""
 
     def __init__(
         self,
@@ -118,6 +131,7 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: torch.Tensor | None = None
+        self.keeps_dense = False  # with `packed`: the dense weight serves steps of few rows
         # The checkpoint's GGUF blocks, for steps of few rows (`shoal.engine.kernels.quant_matmul`).
         self.quantized: tuple[QuantMatmulKernel, QuantizedWeight] | None = None
 
@@ -125,7 +139,7 @@ class Linear(nn.Module):
         if self.quantized is not None and x.shape[0] <= self.quantized[0].max_rows:
             kernel, blocks = self.quantized
             return kernel.linear(x, blocks, self.bias)
-        if self.packed is not None:
+        if self.packed is not None and (not self.keeps_dense or x.shape[0] > DENSE_GEMV_MAX_ROWS):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -144,12 +158,14 @@ class Linear(nn.Module):
             )
         self.quantized = (kernel, blocks)
 
-    def pack(self) -> None:
+    def pack(self, keep_dense: bool = False) -> None:
         if not is_worth_packing(self.weight):
             return
         self.packed = pack_weight(self.weight)
-        # Only this module's reference goes: a tied embedding keeps its dense table.
-        del self.weight
+        self.keeps_dense = keep_dense and self.weight.dtype == torch.float32
+        if not self.keeps_dense:
+            # Only this module's reference goes: a tied embedding keeps its dense table.
+            del self.weight
 
 
 # HF tensor name → (the projection it is part of, its part index, the number of parts).

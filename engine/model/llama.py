@@ -27,6 +27,7 @@ from shoal.engine.model.attention import (
     select_attention_backend,
 )
 from shoal.engine.model.layers import (
+    MAX_DUAL_LAYOUT_BYTES,
     BlockSlots,
     FeedForward,
     GatedMLP,
@@ -38,6 +39,7 @@ from shoal.engine.model.layers import (
     WeightMap,
     assign_blocks,
     empty_param,
+    is_worth_packing,
 )
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.tensor_parallel import SINGLE, Shard, TensorParallel
@@ -326,11 +328,19 @@ class LlamaForCausalLM(nn.Module):
         self.weight_map().load(weights, skip=skip)
 
     def pack_weights(self) -> None:
-        """Swaps every projection's dense weight for a oneDNN-packed copy (after loading; CPU,
-        see `can_pack_weights`). Further `load_weights` calls are not possible afterwards."""
-        for module in self.modules():
-            if isinstance(module, Packable):
-                module.pack()
+        """Gives every projection a oneDNN-packed copy of its dense weight (after loading; CPU,
+        see `can_pack_weights`). The dense weights stay for steps of few rows while they hold
+        at most `MAX_DUAL_LAYOUT_BYTES`, and go otherwise. Further `load_weights` calls are
+        not possible afterwards."""
+        packable = [m for m in self.modules() if isinstance(m, Packable)]
+        dense_bytes = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in packable
+            if isinstance(m, Linear) and is_worth_packing(m.weight)
+        )
+        keep_dense = dense_bytes <= MAX_DUAL_LAYOUT_BYTES
+        for module in packable:
+            module.pack(keep_dense)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

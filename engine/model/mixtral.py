@@ -121,8 +121,9 @@ class MixtralExperts(nn.Module):
             return packed_linear(x, self.packed[local][1])
         return F.linear(x, self.w2[local])
 
-    def pack(self) -> None:
-        """Per-expert oneDNN-packed weights replace the dense ones (CPU), when large enough."""
+    def pack(self, keep_dense: bool = False) -> None:
+        """Per-expert oneDNN-packed weights replace the dense ones (CPU), when large enough.
+        Experts keep no dense copy whatever `keep_dense` says: a step's rows spread over them."""
         if not is_worth_packing(self.w2[0]):
             return
         self.packed = [

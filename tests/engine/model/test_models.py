@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.model.layers import rope_inv_freq
+from shoal.engine.model.layers import Linear, rope_inv_freq
 from shoal.engine.model.mixtral import MixtralMoE
 from shoal.engine.model.registry import LlamaForCausalLM, MixtralForCausalLM, get_model_class
 from shoal.engine.parallel.expert_parallel import ExpertParallel, ExpertPlacement
@@ -30,19 +30,27 @@ def test_greedy_matches_hf_generate(architecture: str) -> None:
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MixtralForCausalLM"])
-@pytest.mark.parametrize("is_packed", [False, True], ids=["dense", "onednn-packed"])
+@pytest.mark.parametrize("layout", ["dense", "packed+dense", "packed"])
 def test_dense_and_packed_weights_match_hf(
-    architecture: str, is_packed: bool, monkeypatch: pytest.MonkeyPatch
+    architecture: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Tiny weights stay dense on their own; packing them anyway covers oneDNN's path, which the
-    # real models take. The dense path is what CUDA, and a CPU without oneDNN, run.
+    # real models take. The dense path is what CUDA, and a CPU without oneDNN, run. A small
+    # model keeps its dense weights beside the packed ones, for steps of 1-2 rows (greedy
+    # decode here) while its prompts take the packed path; a large one keeps packed only.
+    is_packed = layout != "dense"
     if is_packed:
         monkeypatch.setattr("shoal.engine.model.layers.MIN_PACKED_WEIGHT_NUMEL", 0)
+    if layout == "packed":
+        monkeypatch.setattr("shoal.engine.model.llama.MAX_DUAL_LAYOUT_BYTES", 0)
     hf_model = make_hf_model(architecture)
     runner = make_runner(hf_model)
     assert runner.model is not None
     packable = [m for m in runner.model.modules() if hasattr(m, "packed")]
     assert packable and all((m.packed is not None) == is_packed for m in packable)
+    linears = [m for m in packable if isinstance(m, Linear)]
+    assert linears and all(m.keeps_dense == (layout == "packed+dense") for m in linears)
+    assert all(hasattr(m, "weight") == (layout != "packed") for m in linears)
     assert_runner_matches_hf(hf_model, runner, random_prompts([7, 12], seed=1))
 
 
