@@ -333,11 +333,8 @@ class LlamaForCausalLM(nn.Module):
         at most `MAX_DUAL_LAYOUT_BYTES`, and go otherwise. Further `load_weights` calls are
         not possible afterwards."""
         packable = [m for m in self.modules() if isinstance(m, Packable)]
-        dense_bytes = sum(
-            m.weight.numel() * m.weight.element_size()
-            for m in packable
-            if isinstance(m, Linear) and is_worth_packing(m.weight)
-        )
+        weights: list[torch.Tensor] = [m.weight for m in packable if isinstance(m, Linear)]
+        dense_bytes = sum(w.numel() * w.element_size() for w in weights if is_worth_packing(w))
         keep_dense = dense_bytes <= MAX_DUAL_LAYOUT_BYTES
         for module in packable:
             module.pack(keep_dense)
