@@ -117,6 +117,8 @@ class Linear(nn.Module):
     to 64 rows markedly faster than the default BLAS path. Steps of 1 or 2 rows are faster on
     the dense weight (`DENSE_GEMV_MAX_ROWS`), which stays when the model is small enough."""
 
+    weight: nn.Parameter  # absent once packed without `keep_dense`
+
     def __init__(
         self,
         in_features: int,
