@@ -333,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         at most `MAX_DUAL_LAYOUT_BYTES`, and go otherwise. Further `load_weights` calls are
         not possible afterwards."""
         packable = [m for m in self.modules() if isinstance(m, Packable)]
-        weights = [m.weight for m in packable if isinstance(m, Linear)]
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear)]
         dense_bytes = sum(w.numel() * w.element_size() for w in weights if is_worth_packing(w))
         keep_dense = dense_bytes <= MAX_DUAL_LAYOUT_BYTES
         for module in packable:
