@@ -139,7 +139,16 @@ def _check_workers(cluster: ClusterHandle, status: dict[str, Any], rank: int) ->
     assert entry["placement_group"] == f"shoal-{cluster.namespace}-rank-{rank}"
     # Looked up by name: a resize made by another client replaces the actor of a rank.
     engine: EngineActorHandle = ray.get_actor(engine_actor_name(rank), namespace=cluster.namespace)
-    engine_pid = ray.get(engine.health.remote(), timeout=30)["pid"]
+    # The registry may list a restarted rank a moment before Ray's handles see its actor
+    # alive again ("the actor is restarting"): ask again until then.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            engine_pid = ray.get(engine.health.remote(), timeout=30)["pid"]
+            break
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, f"rank {rank}'s engine actor stayed unavailable"
+            time.sleep(0.2)
     assert workers[0]["pid"] == engine_pid
     assert workers[1]["pid"] != engine_pid and psutil.pid_exists(workers[1]["pid"])
     return [w["pid"] for w in workers]
