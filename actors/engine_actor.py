@@ -21,12 +21,14 @@ from ray.actor import ActorProxy
 from shoal.actors.membership import Membership, RankWorker, registration_token
 from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
+from shoal.actors.start_progress import StartProgress
 from shoal.actors.tp_worker import worker_launcher
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.core_proc import EngineCoreProc
 from shoal.engine.core.curve import CurveKeyPair, EngineKeys
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
+from shoal.engine.loader.hub import local_model_config, local_model_path
 from shoal.engine.parallel.distributed import Rendezvous
 from shoal.engine.parallel.elastic import ScaleNotice, ScalePlan
 from shoal.engine.parallel.expert_parallel import ExpertPlacement, check_expert_parallel
@@ -75,42 +77,17 @@ class EngineCoreActor:
         rank_keys: CurveKeyPair | None = None,
     ) -> None:
         self.rank = rank
-        # Read now, for drivers on nodes without the checkpoint (`tokenizer()`): this node's
-        # copy may not last (a download directory that is cleaned up, say).
-        self._tokenizer: Tokenizer | ModelLoadError
-        try:
-            self._tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
-        except ModelLoadError as e:  # the engine runs on token ids without one
-            self._tokenizer = e
         registry: RegistryHandle = ray.get_actor(REGISTRY_NAME, namespace=namespace)
-        membership: Membership = ray.get(registry.membership.remote())
-        # The set this rank serves in now (a cluster resized since launch, or a resize that
-        # started this rank), as the registry keeps it: a restarted rank reads it again.
-        start: EngineStart = ray.get(registry.engine_start.remote(rank))
-        config = start.config
+        progress = StartProgress(registry, rank)
+        progress.report("finding the model and its tokenizer (a Hub id is downloaded here)")
+        self._tokenizer = _load_tokenizer(config)
         node_ip = host or ray.util.get_node_ip_address()
-        # A new identity per incarnation: clients must never confuse a restarted rank's
-        # connection with the dead one's.
-        identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
-        # The rank's key pair (`shoal.engine.core.curve`): clients learn its public half from the
-        # endpoint it registers.
         own_keys = rank_keys or CurveKeyPair.generate()
-        keys = EngineKeys(
-            own_keys,
-            membership.client_keys,
-            membership.coordinator_public_key,
-        )
-        self.proc = EngineCoreProc(
-            config.with_rank(rank),
-            engine_index=rank,
-            host=node_ip,
-            identity=identity,
-            stats_address=membership.stats_report_address,
-            rendezvous=_ep_rendezvous(registry, config, node_ip, start.group_name, rank),
-            keys=keys,
-            joining=start.joining,
-            worker_launcher=worker_launcher(),
-        )
+        progress.report("building the engine: weights, KV cache, sockets")
+        with progress.following_engine_logs():  # the weights' loading progress, in percent
+            self.proc = self._build_proc(registry, node_ip, own_keys)
+        progress.report("registering its endpoint")
+        progress.close()  # every report arrives before the registration
         self.endpoint: EngineEndpoint = self.proc.endpoint
         self._busy_loop = threading.Thread(
             target=self._run_busy_loop, name=f"shoal-busy-loop-{rank}", daemon=True
@@ -121,17 +98,7 @@ class EngineCoreActor:
         gc.freeze()
         self._busy_loop.start()
         try:
-            self.incarnation: int = ray.get(
-                registry.register_engine.remote(
-                    self.endpoint, node_ip, registration_token(own_keys), self._workers(node_ip)
-                )
-            )
-            # Clients that attached while this rank was starting: from now on the registry
-            # tells this actor of every new one.
-            for client_index, public_key in ray.get(
-                registry.membership.remote()
-            ).client_keys.items():
-                self.proc.admit_client(client_index, public_key)
+            self.incarnation: int = self._register(registry, node_ip, own_keys)
         except BaseException:
             self._shutdown()
             raise
@@ -142,13 +109,56 @@ class EngineCoreActor:
             self.incarnation,
         )
 
+    def _build_proc(
+        self, registry: RegistryHandle, node_ip: str, own_keys: CurveKeyPair
+    ) -> EngineCoreProc:
+        """The rank's engine, in the set it serves in now (a cluster resized since launch, or
+        a resize that started this rank), as the registry keeps it: a restarted rank reads it
+        again."""
+        rank = self.rank
+        membership: Membership = ray.get(registry.membership.remote())
+        start: EngineStart = ray.get(registry.engine_start.remote(rank))
+        config = start.config
+        # A new identity per incarnation: clients must never confuse a restarted rank's
+        # connection with the dead one's.
+        identity = f"{rank}:{uuid.uuid4().hex[:12]}".encode()
+        # Clients learn the public half of the rank's key pair (`shoal.engine.core.curve`) from
+        # the endpoint it registers.
+        keys = EngineKeys(own_keys, membership.client_keys, membership.coordinator_public_key)
+        return EngineCoreProc(
+            config.with_rank(rank),
+            engine_index=rank,
+            host=node_ip,
+            identity=identity,
+            stats_address=membership.stats_report_address,
+            rendezvous=_ep_rendezvous(registry, config, node_ip, start.group_name, rank),
+            keys=keys,
+            joining=start.joining,
+            worker_launcher=worker_launcher(),
+        )
+
+    def _register(self, registry: RegistryHandle, node_ip: str, own_keys: CurveKeyPair) -> int:
+        """Registers the serving rank with the registry; returns its incarnation."""
+        incarnation: int = ray.get(
+            registry.register_engine.remote(
+                self.endpoint, node_ip, registration_token(own_keys), self._workers(node_ip)
+            )
+        )
+        # Clients that attached while this rank was starting: from now on the registry tells
+        # this actor of every new one.
+        membership: Membership = ray.get(registry.membership.remote())
+        for client_index, public_key in membership.client_keys.items():
+            self.proc.admit_client(client_index, public_key)
+        return incarnation
+
     def _workers(self, node_ip: str) -> list[RankWorker]:
         """This incarnation's worker processes: the engine's own and its TP workers, which
         run on this node."""
         node_id = ray.get_runtime_context().get_node_id()
+        engine = self.proc.engine_core
         return [
-            RankWorker(w.tp_rank, w.pid, w.device, node_ip, node_id)
-            for w in self.proc.engine_core.executor.describe_workers()
+            RankWorker(w.tp_rank, w.pid, w.device, node_ip, node_id, engine.name)
+            for w in engine.describe_workers()
         ]
 
     def _run_busy_loop(self) -> None:
@@ -273,9 +283,20 @@ def _ep_rendezvous(
     parallel = config.parallel
     if not parallel.enable_expert_parallel or parallel.data_parallel_size == 1:
         return None
-    arch = load_model_arch(config.model.model)
+    arch = load_model_arch(local_model_path(config.model))
     check_expert_parallel(arch, parallel.data_parallel_size)
     placement = ExpertPlacement.contiguous(arch.num_local_experts, parallel.data_parallel_size)
     table = list(placement.expert_to_rank)
     host, port = ray.get(registry.ep_rendezvous.remote(node_ip, rank, table))
     return Rendezvous(host, port, group_name=group_name, bind_host=node_ip)
+
+
+def _load_tokenizer(config: EngineConfig) -> Tokenizer | ModelLoadError:
+    """The model's tokenizer, read now for drivers on nodes without the checkpoint
+    (`tokenizer()`): this node's copy may not last (a download directory that is cleaned up,
+    say). The engine runs on token ids without one."""
+    try:
+        local = local_model_config(config).model  # a Hub id: downloaded to this node
+        return load_tokenizer(local.tokenizer or local.model)
+    except ModelLoadError as e:
+        return e

@@ -17,13 +17,15 @@ from shoal.engine.protocol import EngineEndpoint
 
 
 class RankState(enum.StrEnum):
-    """Life of one rank. STARTING → [JOINING →] READY → (DEAD → READY)* → LEAVING → removed."""
+    """Life of one rank. STARTING → [JOINING →] READY → (DEAD → READY)* → LEAVING → removed;
+    a drain (`shoal.cluster.drain`): READY → LEAVING → DRAINED → (its next incarnation) READY."""
 
     STARTING = "starting"  # actor created, engine not yet bound
     JOINING = "joining"  # started by an expert-parallel resize; serves once it commits
     READY = "ready"  # endpoint registered, serving
     DEAD = "dead"  # actor died; Ray may restart it, then it registers again
-    LEAVING = "leaving"  # elastic scale-down: clients stop routing to it
+    LEAVING = "leaving"  # elastic scale-down or a drain: clients stop routing to it
+    DRAINED = "drained"  # drained: holds and takes nothing until its next incarnation serves
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RankWorker:
         device: its device, as the worker saw it ("cpu", "cuda:1 (GPU 5)").
         node_ip: its node's address.
         node_id: its node's Ray id.
+        engine: the engine it runs: "shoal" or "vllm" (`shoal.engine.core.rank_engine`).
     """
 
     tp_rank: int
@@ -44,6 +47,7 @@ class RankWorker:
     device: str
     node_ip: str
     node_id: str
+    engine: str = "shoal"
 
 
 @dataclass(frozen=True)

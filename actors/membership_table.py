@@ -201,6 +201,12 @@ class MembershipTable:
         self.set_rank(replace(self._state.ranks[rank], state=RankState.LEAVING))
         return self.bump()
 
+    def set_drained(self, rank: int) -> int:
+        """A drained rank holds and takes nothing; its next incarnation to register serves
+        (READY). Returns the new epoch (KeyError: unknown rank)."""
+        self.set_rank(replace(self._state.ranks[rank], state=RankState.DRAINED))
+        return self.bump()
+
     def serve_again(self, rank: int) -> int:
         """A LEAVING rank serves again (its resize was rolled back). Returns the new epoch."""
         info = self._state.ranks[rank]

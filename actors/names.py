@@ -5,3 +5,4 @@ from __future__ import annotations
 REGISTRY_NAME = "shoal-registry"
 COORDINATOR_NAME = "shoal-coordinator"
 OWNER_NAME = "shoal-owner"
+AUTOSCALER_NAME = "shoal-autoscaler"

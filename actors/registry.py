@@ -41,7 +41,8 @@ from shoal.actors.membership import ClientInfo, Membership, RankInfo, RankState,
 from shoal.actors.membership_table import CLIENT_TIMEOUT_S, MembershipTable
 from shoal.actors.registry_resizes import Resizes
 from shoal.actors.registry_state import RegistryState, StateStore
-from shoal.actors.scale_state import EngineStart, ScaleEvent
+from shoal.actors.scale_state import AutoscalerRecord, EngineStart, ScaleEvent
+from shoal.actors.start_reports import StartReports
 from shoal.engine.config import EngineConfig
 from shoal.engine.parallel.elastic import ScalePlan
 from shoal.engine.protocol import EngineEndpoint
@@ -80,6 +81,7 @@ class RegistryActor:
         self._liveness = RankLiveness(namespace, self._table, engine_probe_timeout_s)
         self._data_plane = DataPlane(namespace)
         self._background: set[asyncio.Task[None]] = set()
+        self._start_reports = StartReports()
         for info in self._table.serving_ranks():
             assert info.endpoint is not None, "a serving rank has registered"
             self._liveness.watch(info.rank, info.actor_name, info.endpoint.identity)
@@ -103,6 +105,7 @@ class RegistryActor:
             The new epoch.
         """
         names = (actor_name, placement_group_name)
+        self._start_reports.forget(rank)
         self._table.set_rank(
             RankInfo(rank, RankState.STARTING, *names, registration_digest=registration_digest)
         )
@@ -143,6 +146,21 @@ class RegistryActor:
         return incarnation
 
     @ray.method
+    async def report_start_progress(self, rank: int, detail: str) -> None:
+        """What a rank's actor is doing while it starts (e.g. "loading weights 40% (108 of
+        272 tensors, 3.1 s)"), for `shoal status` and the log of the launch waiting on it.
+        Kept by `StartReports` until the rank is planned again."""
+        if self._table.has_rank(rank):
+            self._start_reports.add(rank, detail)
+
+    @ray.method
+    async def start_progress(self) -> tuple[bool, dict[int, list[tuple[int, str]]]]:
+        """For a launch or resize waiting on its ranks: whether a stop was asked for (`shoal
+        stop`), and each rank's start reports as (number, detail), numbered across ranks in
+        the order they came."""
+        return self._table.snapshot().stopping, self._start_reports.every_rank()
+
+    @ray.method
     async def report_engine_lost(self, rank: int, identity: bytes) -> bool:
         """A client lost its connection to the incarnation `identity` of `rank`.
 
@@ -171,6 +189,16 @@ class RegistryActor:
         return self._table.set_leaving(rank)
 
     @ray.method
+    async def set_rank_drained(self, rank: int) -> int:
+        """A rank finished draining (`shoal.cluster.drain`): it holds and takes nothing, and
+        its next incarnation to register serves. Returns the new epoch.
+
+        Raises:
+            KeyError: if the rank is unknown.
+        """
+        return self._table.set_drained(rank)
+
+    @ray.method
     async def set_rank_ready(self, rank: int) -> int:
         """A LEAVING rank serves again (its resize was rolled back). Returns the new epoch."""
         return self._table.serve_again(rank)
@@ -179,6 +207,7 @@ class RegistryActor:
     async def remove_rank(self, rank: int) -> int:
         """Forgets a rank (after its actor and placement group are gone). Returns the new epoch."""
         self._liveness.unwatch(rank)
+        self._start_reports.forget(rank)
         return self._table.remove_rank(rank)
 
     @ray.method
@@ -300,11 +329,14 @@ class RegistryActor:
                 {
                     "rank": r.rank,
                     "state": r.state.value,
+                    # The engine its serving incarnation runs ("shoal", "vllm").
+                    "engine": r.workers[0].engine if r.workers else None,
                     "incarnation": r.incarnation,
                     "node_ip": r.node_ip,
                     "address": r.endpoint.input_address if r.endpoint else None,
                     "actor_name": r.actor_name,
                     "placement_group": r.placement_group_name,
+                    "progress": self._start_reports.last(r.rank),
                     "workers": [dataclasses.asdict(w) for w in r.workers],
                 }
                 for r in self._table.ranks()
@@ -397,6 +429,21 @@ class RegistryActor:
     async def scale_history(self) -> list[ScaleEvent]:
         """The past resizes, oldest first."""
         return self._resizes.history()
+
+    @ray.method
+    async def is_scaling(self) -> bool:
+        """Whether a resize holds the scale lock."""
+        return self._resizes.is_scaling()
+
+    @ray.method
+    async def set_autoscaler(self, record: AutoscalerRecord) -> None:
+        """Keeps what the autoscaler shows (`shoal status`, the metrics); saved with the rest."""
+        self._resizes.set_autoscaler(record)
+
+    @ray.method
+    async def autoscaler(self) -> AutoscalerRecord | None:
+        """What `set_autoscaler` kept (None: the cluster has no autoscaler)."""
+        return self._resizes.autoscaler()
 
     @ray.method
     async def ep_rendezvous(self, host: str, rank: int, placement: list[int]) -> tuple[str, int]:

@@ -1,6 +1,7 @@
 """`Resizes`: the registry's part that keeps resizes: the scale lock with its lease and phase,
 each resize's commit, the past resizes, what a starting rank is told about the set it joins,
-and the rendezvous store the expert-parallel ranks form their groups at.
+the rendezvous store the expert-parallel ranks form their groups at, and the autoscaler's
+record (`AutoscalerRecord`).
 
 Owns `ResizeState`; its collaborator is the `MembershipTable`, whose epoch orders every change
 (a commit also changes the cluster's size and turns the resize's JOINING ranks READY). The
@@ -24,6 +25,7 @@ from shoal.actors.rendezvous import RendezvousServer
 from shoal.actors.scale_state import (
     SCALE_HISTORY,
     SCALE_LEASE_S,
+    AutoscalerRecord,
     EngineStart,
     ResizeState,
     ScaleEvent,
@@ -142,6 +144,21 @@ class Resizes:
     def history(self) -> list[ScaleEvent]:
         return list(self._state.scale_history)
 
+    def is_scaling(self) -> bool:
+        """Whether a resize holds the scale lock (and its lease runs)."""
+        held = self._state.scale
+        return held is not None and time.time() - held.renewed_at < SCALE_LEASE_S
+
+    # --- the autoscaler -----------------------------------------------------------------------
+
+    def set_autoscaler(self, record: AutoscalerRecord) -> None:
+        """Keeps what the autoscaler shows (saved: a restarted autoscaler reads it back)."""
+        self._state.autoscaler = record
+        self._table.save()
+
+    def autoscaler(self) -> AutoscalerRecord | None:
+        return self._state.autoscaler
+
     # --- what ranks are told -----------------------------------------------------------------
 
     def engine_start(self, rank: int) -> EngineStart:
@@ -185,11 +202,14 @@ class Resizes:
     # --- status ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """The `expert_parallel`, `scaling` and `scale_history` entries of `shoal status`."""
+        """The `expert_parallel`, `scaling`, `scale_history` and `autoscaler` entries of
+        `shoal status`."""
+        autoscaler = self._state.autoscaler
         return {
             "expert_parallel": _expert_parallel_status(self._state.ep_placement),
             "scaling": _scaling_status(self._state.scale),
             "scale_history": [msgspec.to_builtins(e) for e in self._state.scale_history],
+            "autoscaler": None if autoscaler is None else msgspec.to_builtins(autoscaler),
         }
 
     def _record(self, epoch: int) -> ScaleRecord:

@@ -1,5 +1,5 @@
-"""What the registry keeps of resizes: the scale lock with its phase, the past scales, and what
-a starting rank is told about the set it serves in.
+"""What the registry keeps of resizes: the scale lock with its phase, the past scales, what
+a starting rank is told about the set it serves in, and the autoscaler's decisions.
 
 Plain dataclasses, saved with the registry's state (a registry that Ray restarts still holds
 the lock of a scale in progress, until the scale ends or its lease runs out).
@@ -17,6 +17,8 @@ from shoal.engine.parallel.elastic import ScalePlan
 SCALE_LEASE_S = 120.0
 # Past scales kept for `status` and the metrics.
 SCALE_HISTORY = 32
+# The autoscaler's last decisions kept for `status`.
+AUTOSCALER_DECISIONS = 16
 
 
 class ScaleInProgressError(RuntimeError):
@@ -50,10 +52,54 @@ class ScaleEvent:
     epoch: int
     from_size: int
     to_size: int
-    outcome: str  # "committed" or "rolled_back"
+    outcome: str  # "committed", "rolled_back", "unchanged" or "drained" (`shoal drain`)
     duration_s: float
     detail: str = ""
     finished_at: float = 0.0
+
+
+@dataclass
+class AutoscalerDecision:
+    """One decision of the autoscaler to change the cluster's size.
+
+    Attributes:
+        at: when it was made (wall clock).
+        direction: "up" or "down".
+        reason: why (`shoal.cluster.autoscale_policy.REASONS`).
+        from_size: the size it found.
+        to_size: the size it asked for.
+        detail: the load that decided it, in words.
+        outcome: how the resize it asked for ended ("committed", "rolled_back", "refused"
+            when another resize held the lock); empty while it runs.
+    """
+
+    at: float
+    direction: str
+    reason: str
+    from_size: int
+    to_size: int
+    detail: str = ""
+    outcome: str = ""
+
+
+@dataclass
+class AutoscalerRecord:
+    """What the autoscaler shows (`shoal status`, the metrics), kept by the registry so
+    that a restarted autoscaler goes on counting.
+
+    Attributes:
+        min_size: the fewest ranks it keeps.
+        max_size: the most ranks it asks for.
+        desired_size: the size it wants now.
+        decisions_total: decisions by "direction/reason", since the cluster started.
+        decisions: the last `AUTOSCALER_DECISIONS`, oldest first.
+    """
+
+    min_size: int
+    max_size: int
+    desired_size: int
+    decisions_total: dict[str, int] = field(default_factory=dict)
+    decisions: list[AutoscalerDecision] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +114,7 @@ class ResizeState:
         scale_history: the past resizes, oldest first (at most `SCALE_HISTORY`).
         launch_options: how the launch started its ranks, so that a resize starts them alike
             (`shoal.cluster.launch.LaunchOptions.as_dict`).
+        autoscaler: what the autoscaler shows (None: the cluster has none).
     """
 
     scale: ScaleRecord | None = None
@@ -76,6 +123,7 @@ class ResizeState:
     ep_placement: list[int] | None = None
     scale_history: list[ScaleEvent] = field(default_factory=list)
     launch_options: dict[str, Any] = field(default_factory=dict)
+    autoscaler: AutoscalerRecord | None = None
 
 
 @dataclass(frozen=True)

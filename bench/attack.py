@@ -6,13 +6,19 @@ Printed per attack: what the server did (its answer and how long it took, or how
 attacker's connections it still held), and the canary's baseline figure beside its figure under
 attack: its longest wait and its errors. Exits non-zero if any canary request failed.
 
-    .venv/bin/python bench/attack.py [--only n,body,tokenize,slow,idle,resize,types] \
-        [--idle-connections 19000] [--slow-connections 600]
+    .venv/bin/python bench/attack.py [--only n,body,tokenize,slow,idle,resize,types,\
+        schema,grammar,fanout] [--idle-connections 19000] [--slow-connections 600] \
+        [--tokenize-mb 7] [--data-parallel-size 2]
 
 The attacks are those the front end was hardened against: `n` = 30,000; a 20 MB body; three
-7 MB `/tokenize` posts (just under the 8 MiB body cap); 600 connections sending their headers
-a byte a second; 19,000 idle connections (this machine's file limit is 20,000); a resize to
-1,000,000 ranks; a lone surrogate, `"stream": "yes"`, and `/openapi.json` without the key.
+7 MB `/tokenize` posts (just under the 8 MiB body cap), with the front end's resident memory
+before, at its peak and after; 600 connections sending their headers a byte a second; 19,000
+idle connections (this machine's file limit is 20,000); a resize to 1,000,000 ranks; a lone
+surrogate, `"stream": "yes"`, and `/openapi.json` without the key. And the poison requests:
+a `response_format` JSON schema whose `$defs` chain 1,000 objects deep and a `guided_grammar`
+of 20,000 chained Lark rules (each crashes llguidance's compiler), each sent twice; 1,024
+prompts x `n`=128 (131,072 sequences). After each poison attack the registry's rank failures
+are counted: any is an engine death the attack caused.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import json
 import resource
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu import cpu_kind  # noqa: E402
 from tests.deploy.openai_utils import (  # noqa: E402
     FrontEnd,
     http_status,
@@ -42,11 +50,19 @@ from tests.deploy.openai_utils import (  # noqa: E402
 from tests.factories import make_tiny_checkpoint  # noqa: E402
 from tests.ray_utils import (  # noqa: E402
     TINY_ENGINE_FLAGS,
+    RayHead,
+    ray_env,
     start_ray_head,
     stop_ray_head,
     unique_namespace,
 )
 from tests.security.http_client import Canary, raw_http  # noqa: E402
+from tests.security.poison_inputs import (  # noqa: E402
+    CRASHING_LARK_LENGTH,
+    CRASHING_SCHEMA_LENGTH,
+    lark_chain,
+    ref_chain_schema,
+)
 
 API_KEY = "bench-attack-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -55,6 +71,11 @@ READ_TIMEOUT_S = 30.0  # the server's default --http-read-timeout
 
 def _post(front_end: FrontEnd, path: str, body: Any, timeout_s: float = 120.0) -> tuple[int, Any]:
     return request_json(f"{front_end.base_url}{path}", body, AUTH, timeout_s=timeout_s)
+
+
+def machine() -> str:
+    """The CPU, its vector flags, the cores for this process, and the load average."""
+    return cpu_kind()
 
 
 def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
@@ -80,20 +101,84 @@ def attack_body(front_end: FrontEnd, args: argparse.Namespace) -> str:
     return f"20 MB body answered {status} in {took * 1000:.0f} ms"
 
 
+def _rss_mb(front_end: FrontEnd) -> float:
+    """The resident memory of the serving process (the front end, its cluster's driver)."""
+    with open(f"/proc/{front_end.proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def attack_tokenize(front_end: FrontEnd, args: argparse.Namespace) -> str:
-    text = "the quick brown fox, " * (7_000_000 // 21)
+    text = "the quick brown fox, " * (args.tokenize_mb * 1_000_000 // 21)
     health: list[float] = []
+    before = peak = _rss_mb(front_end)
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(_post, front_end, "/tokenize", {"prompt": text}) for _ in range(3)]
         start = time.monotonic()
         while not all(f.done() for f in futures):
             _, took = _timed(lambda: http_status(f"{front_end.base_url}/health"))
             health.append(took)
+            peak = max(peak, _rss_mb(front_end))
             time.sleep(0.05)
         statuses = [f.result()[0] for f in futures]
+    took_s = time.monotonic() - start
+    time.sleep(1.0)  # the last answer leaves the server
     return (
-        f"3 x 7 MB /tokenize answered {statuses} in {time.monotonic() - start:.1f} s; "
-        f"/health at most {max(health, default=0) * 1000:.0f} ms over {len(health)} probes"
+        f"3 x {args.tokenize_mb} MB /tokenize answered {statuses} in {took_s:.1f} s; "
+        f"/health at most {max(health, default=0) * 1000:.0f} ms over {len(health)} probes; "
+        f"front end {before:.0f} MB before, {peak:.0f} MB at most, {_rss_mb(front_end):.0f} "
+        "MB after"
+    )
+
+
+def _rank_failures(front_end: FrontEnd, head: RayHead, namespace: str) -> int:
+    """The rank failures the cluster's registry has recorded."""
+    status = subprocess.run(
+        [sys.executable, "-m", "shoal.deploy", "status", "--namespace", namespace, "--json",
+         "--address", head.gcs_address],
+        capture_output=True, text=True, env=ray_env(), cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    return len(json.loads(status.stdout)["rank_failures"]) if status.returncode == 0 else -1
+
+
+def _poison(front_end: FrontEnd, args: argparse.Namespace, path: str, body: Any) -> str:
+    answers = []
+    for _ in range(2):  # the second is refused from the sandbox's memory
+        (status, _), took = _timed(lambda: _post(front_end, path, body))
+        answers.append(f"{status} in {took * 1000:.0f} ms")
+    size_kb = len(json.dumps(body)) / 1000
+    deaths = _rank_failures(front_end, args.head, args.namespace)
+    return f"{size_kb:.0f} KB body answered {', then '.join(answers)}; {deaths} rank failures"
+
+
+def attack_schema(front_end: FrontEnd, args: argparse.Namespace) -> str:
+    schema = ref_chain_schema(CRASHING_SCHEMA_LENGTH)
+    body = {
+        "messages": [{"role": "user", "content": "a city"}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    return _poison(front_end, args, "/v1/chat/completions", body)
+
+
+def attack_grammar(front_end: FrontEnd, args: argparse.Namespace) -> str:
+    body = {"prompt": "a", "max_tokens": 8, "guided_grammar": lark_chain(CRASHING_LARK_LENGTH)}
+    return _poison(front_end, args, "/v1/completions", body)
+
+
+def attack_fanout(front_end: FrontEnd, args: argparse.Namespace) -> str:
+    before = _rss_mb(front_end)
+    body = {"prompt": ["a"] * 1024, "n": 128, "max_tokens": 4}
+    (status, _), took = _timed(lambda: _post(front_end, "/v1/completions", body))
+    refused = _rss_mb(front_end)
+    at_cap = {"prompt": ["a"] * 8, "n": 128, "max_tokens": 4}  # the default cap, 1,024
+    (cap_status, _), cap_took = _timed(lambda: _post(front_end, "/v1/completions", at_cap))
+    return (
+        f"1024 prompts x n=128 answered {status} in {took * 1000:.0f} ms (front end "
+        f"{before:.0f} MB before, {refused:.0f} MB after); at the cap, 8 x n=128 answered "
+        f"{cap_status} in {cap_took:.1f} s (front end {_rss_mb(front_end):.0f} MB after)"
     )
 
 
@@ -181,6 +266,9 @@ ATTACKS: dict[str, Callable[[FrontEnd, argparse.Namespace], str]] = {
     "idle": attack_idle,
     "resize": attack_resize,
     "types": attack_types,
+    "schema": attack_schema,
+    "grammar": attack_grammar,
+    "fanout": attack_fanout,
 }
 
 
@@ -189,6 +277,8 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(ATTACKS), help="attacks to run, by name")
     parser.add_argument("--idle-connections", type=int, default=19_000)
     parser.add_argument("--slow-connections", type=int, default=600)
+    parser.add_argument("--tokenize-mb", type=int, default=7, help="each /tokenize post's size")
+    parser.add_argument("--data-parallel-size", type=int, default=2)
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -196,12 +286,15 @@ def main() -> int:
     checkpoint = make_tiny_checkpoint(root / "tiny-llama", "llama")
     (root / "api.key").write_text(API_KEY)
     head = start_ray_head()
+    args.head, args.namespace = head, unique_namespace("attack")
     args_serve = [
-        "serve", "--model", checkpoint, "--namespace", unique_namespace("attack"),
+        "serve", "--model", checkpoint, "--namespace", args.namespace,
+        "--data-parallel-size", str(args.data_parallel_size),
         "--data-parallel-address", "127.0.0.1", "--host", "127.0.0.1",
         "--api-key-file", str(root / "api.key"), *TINY_ENGINE_FLAGS,
     ]  # fmt: skip
     num_failed = 0
+    print(f"{machine()}; {args.data_parallel_size} ranks of a tiny Llama")
     try:
         front_end = start_shoal(head, args_serve, root / "serve.log")
         try:

@@ -47,6 +47,7 @@ from chaos_report import Fault, Stream, print_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
@@ -398,6 +399,7 @@ def main() -> None:
     parser.add_argument("--rng-max-s", type=float, default=30.0, help="most time between faults")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     unknown = set(args.faults.split(",")) - set(FAULTS)
     if unknown:
         parser.error(f"unknown faults {sorted(unknown)}; known: {','.join(FAULTS)}")

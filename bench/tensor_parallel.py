@@ -268,7 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.vllm:
         require_vllm_peer(with_model=False)
-    print(f"cpu: {cpu_summary()}; load {os.getloadavg()[0]:.2f}")
+    print(cpu_summary())
     if args.part in (None, "broadcast"):
         bench_broadcast(max(200, 10 * args.steps))
     if args.part in (None, "model"):

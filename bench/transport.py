@@ -50,6 +50,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import cpu_kind
 from bench.transport_hops import (
     NUM_STREAMS,
     OUTPUTS_PER_BATCH,
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--num-runs", type=int, default=3, help="throughput runs; best is kept")
     parser.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="for (a)")
     args = parser.parse_args()
+    print(cpu_kind(), flush=True)
 
     from tests.factories import make_tiny_checkpoint
 

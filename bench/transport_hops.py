@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shoal.client.core_client import AsyncMPClient
+from shoal.client import AsyncMPClient
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.core.engine_process import start_engine_process, stop_engine_process

@@ -21,8 +21,8 @@ from bench.transport_hops import (
     percentile,
     remote_latency,
 )
-from shoal.client.async_llm import AsyncLLM
-from shoal.client.core_client import AsyncMPClient
+from shoal.client import AsyncMPClient
+from shoal.client.api.async_llm import AsyncLLM
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.curve import CurveKeyPair, EngineKeys
 from shoal.engine.core.engine_process import start_engine_process, stop_engine_process

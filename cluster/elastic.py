@@ -44,6 +44,7 @@ from shoal.cluster.ranks import READY_TIMEOUT_S, LaunchOptions, add_ranks
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
+from shoal.engine.loader.hub import local_model_path
 from shoal.engine.parallel.elastic import RECONFIGURED, ScaleNotice, ScalePlan, SwitchOutcome
 from shoal.engine.parallel.expert_parallel import ExpertPlacement, check_expert_parallel
 
@@ -132,34 +133,7 @@ def scale(
         return report
     resize = _Resize(handle, config, epoch, from_size, new_size, switch_timeout_s, report)
     logger.info("resize %d: %d → %d ranks (by %s)", epoch, from_size, new_size, owner or "?")
-    lease = _LeaseRenewal(handle, epoch)
-    try:
-        if new_size > from_size:
-            resize.scale_up(options)
-        else:
-            resize.scale_down()
-    except BaseException as e:
-        resize.roll_back(e)
-        report.outcome = "rolled_back"
-        report.total_s = time.monotonic() - start
-        _end(handle, epoch, "rolled_back", f"{type(e).__name__}: {e}")
-        logger.error(
-            "resize %d: %d → %d ranks rolled back after %.2f s (%s); phases %s",
-            epoch,
-            from_size,
-            new_size,
-            report.total_s,
-            e,
-            report.as_dict()["phases"],
-        )
-        if isinstance(e, ScaleError):
-            raise
-        raise ScaleError(
-            f"the scale from {from_size} to {new_size} ranks failed and was rolled back: "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    finally:
-        lease.stop()
+    _carry_out(handle, resize, options, report, start)
     report.outcome = "committed"
     report.total_s = time.monotonic() - start
     _end(handle, epoch, "committed")
@@ -172,6 +146,48 @@ def scale(
         report.as_dict()["phases"],
     )
     return report
+
+
+def _carry_out(
+    handle: ClusterHandle,
+    resize: _Resize,
+    options: LaunchOptions,
+    report: ScaleReport,
+    start: float,
+) -> None:
+    """Runs a resize while its lease is renewed; one that fails is rolled back and ended so.
+
+    Raises:
+        ScaleError: the resize failed and was rolled back.
+    """
+    lease = LeaseRenewal(handle, report.epoch)
+    try:
+        if report.to_size > report.from_size:
+            resize.scale_up(options)
+        else:
+            resize.scale_down()
+    except BaseException as e:
+        resize.roll_back(e)
+        report.outcome = "rolled_back"
+        report.total_s = time.monotonic() - start
+        _end(handle, report.epoch, "rolled_back", f"{type(e).__name__}: {e}")
+        logger.error(
+            "resize %d: %d → %d ranks rolled back after %.2f s (%s); phases %s",
+            report.epoch,
+            report.from_size,
+            report.to_size,
+            report.total_s,
+            e,
+            report.as_dict()["phases"],
+        )
+        if isinstance(e, ScaleError):
+            raise
+        raise ScaleError(
+            f"the scale from {report.from_size} to {report.to_size} ranks failed and was "
+            f"rolled back: {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        lease.stop()
 
 
 def _check_capacity(resources: RankResources, new_size: int, max_size: int | None) -> None:
@@ -198,13 +214,13 @@ def _check_size(config: EngineConfig, new_size: int) -> None:
             "an expert-parallel cluster resizes between 2 and its number of experts ranks"
         )
     try:
-        arch = load_model_arch(config.model.model)
+        arch = load_model_arch(local_model_path(config.model))
     except ModelLoadError:
         return  # another node's path: the new ranks check it as they start
     check_expert_parallel(arch, new_size)
 
 
-class _LeaseRenewal(threading.Thread):
+class LeaseRenewal(threading.Thread):
     """Renews the scale lock's lease while the resize runs (a wait for nodes may outlast it);
     a caller that dies stops renewing, and the lock frees itself."""
 
@@ -262,7 +278,7 @@ class _Resize:
         self._phase = "starting"
         table = None
         if self.is_expert_parallel:
-            arch = load_model_arch(config.model.model)
+            arch = load_model_arch(local_model_path(config.model))
             table = ExpertPlacement.contiguous(arch.num_local_experts, to_size).expert_to_rank
         self.plan = ScalePlan(
             epoch,
@@ -273,10 +289,17 @@ class _Resize:
         )
 
     def _enter(
-        self, phase: str, plan: ScalePlan | None = None, new_ranks: list[int] | None = None
+        self,
+        phase: str,
+        what: str,
+        plan: ScalePlan | None = None,
+        new_ranks: list[int] | None = None,
     ) -> None:
+        """Starts `phase` (logged with `what` it does; the phase before it is timed)."""
         now = time.monotonic()
-        self.report.phases[self._phase] = now - self._phase_start
+        if self._phase != phase:  # the first phase is entered once the lock is held
+            self.report.phases[self._phase] = now - self._phase_start
+        logger.info("resize %d: %s: %s", self.epoch, phase, what)
         self._phase, self._phase_start = phase, now
         ray.get(self.registry.set_scale_phase.remote(self.epoch, phase, plan, new_ranks))
 
@@ -288,7 +311,12 @@ class _Resize:
     def scale_up(self, options: LaunchOptions) -> None:
         old = list(range(self.from_size))
         self.new_ranks = list(range(self.from_size, self.to_size))
-        self._enter("starting", plan=self.plan, new_ranks=self.new_ranks)
+        self._enter(
+            "starting",
+            f"ranks {self.new_ranks} start: placement groups, actors, weights",
+            plan=self.plan,
+            new_ranks=self.new_ranks,
+        )
         if self.is_expert_parallel:  # the old ranks stage while the new ones start
             self._prepare(old)
         config = replace(
@@ -297,9 +325,9 @@ class _Resize:
         )
         add_ranks(self.handle, config, self.new_ranks, options)
         if self.is_expert_parallel:
-            self._enter("switching")
+            self._enter("switching", f"ranks {old + self.new_ranks} form the new groups")
             self._switch(old, self.new_ranks)
-        self._enter("finishing")
+        self._enter("finishing", "the new size is committed; clients are told")
         ray.get(self.registry.commit_scale.remote(self.epoch))
         self._notify(list(range(self.to_size)))
         self._close_phase()
@@ -309,10 +337,10 @@ class _Resize:
     def scale_down(self) -> None:
         survivors = list(range(self.to_size))
         self.leaving = list(range(self.to_size, self.from_size))
-        self._enter("starting", plan=self.plan)
+        self._enter("starting", f"ranks {self.leaving} leave: no new requests", plan=self.plan)
         # Clients stop routing to them now; their requests keep running until the switch.
         ray.get([self.registry.set_rank_leaving.remote(r) for r in self.leaving])
-        self._enter("switching")
+        self._enter("switching", f"ranks {self.leaving} hand their requests to the others")
         if self.is_expert_parallel:
             self._prepare(survivors + self.leaving)
             self._switch(survivors + self.leaving, [])
@@ -320,7 +348,7 @@ class _Resize:
             calls = {r: self.handle.engine(r).leave.remote(self.epoch) for r in self.leaving}
             ray.get(list(calls.values()), timeout=_CONTROL_TIMEOUT_S)
             self._await_outcomes(self.leaving, [])
-        self._enter("finishing")
+        self._enter("finishing", f"ranks {self.leaving} are removed; clients are told")
         ray.get(self.registry.commit_scale.remote(self.epoch))
         remove_ranks(self.handle, self.leaving)
         self._notify(survivors)

@@ -20,7 +20,7 @@ import ray
 from shoal.actors.coordinator import CoordinatorHandle
 from shoal.actors.engine_actor import ENGINE_ACTOR_PREFIX, EngineActorHandle, engine_actor_name
 from shoal.actors.membership import Membership, RankState
-from shoal.actors.names import COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
+from shoal.actors.names import AUTOSCALER_NAME, COORDINATOR_NAME, OWNER_NAME, REGISTRY_NAME
 from shoal.actors.owner import OwnerHandle
 from shoal.actors.registry import RegistryHandle
 from shoal.actors.registry_state import StateStore
@@ -58,15 +58,24 @@ class ClusterHandle:
         """The registry's summary, each rank with its latest `load` from the coordinator.
 
         A dead rank whose placement group has no node (its node was lost and no other has
-        room) is "lost": Ray restarts it once a node with room joins.
+        room) is "lost": Ray restarts it once a node with room joins. A rank still starting
+        carries `pending`: what it waits for (a node with room, its actor's start, or the step
+        its actor last reported, such as its weights' loading in percent).
         """
         status: dict[str, Any] = ray.get(self.registry.status.remote())
         loads = ray.get(self.coordinator.latest_stats.remote())
         unplaced = unplaced_ranks(self.namespace)
+        reservation = describe_reservation(ray.get(self.registry.launch_options.remote()))
         for rank in status["ranks"]:
             rank["load"] = loads.get(rank["rank"])
             if rank["state"] == RankState.DEAD and rank["rank"] in unplaced:
                 rank["state"] = RANK_LOST
+            if rank["state"] == RankState.STARTING:
+                rank["pending"] = (
+                    f"waiting for resources: a node with {reservation} free"
+                    if rank["rank"] in unplaced
+                    else rank.get("progress") or "starting: its placement group and actor"
+                )
         expert_parallel = status.get("expert_parallel")
         if expert_parallel is not None:  # the DP wave, as the ranks last reported it
             expert_parallel["current_wave"] = max(
@@ -110,8 +119,12 @@ class ClusterHandle:
     def shutdown(self) -> None:
         """Stops every engine, then removes all actors and placement groups of the cluster.
 
-        Safe to call on a partly launched or partly dead cluster, and from any driver.
+        Safe to call on a partly launched or partly dead cluster, and from any driver. The
+        autoscaler, if any, goes first: no resize starts while the ranks are removed.
         """
+        autoscaler = get_named_actor(AUTOSCALER_NAME, self.namespace)
+        if autoscaler is not None:
+            _kill_quietly(autoscaler)
         ranks = set(self.engines) | set(_named_engine_ranks(self.namespace))
         # When the registry is gone already, the named actors are still found.
         with contextlib.suppress(ray.exceptions.RayActorError):
@@ -126,9 +139,20 @@ class ClusterHandle:
         remove_cluster_placement_groups(self.namespace)
         _wait_for_names_gone(
             self.namespace,
-            [REGISTRY_NAME, COORDINATOR_NAME, OWNER_NAME]
+            [REGISTRY_NAME, COORDINATOR_NAME, OWNER_NAME, AUTOSCALER_NAME]
             + [engine_actor_name(r) for r in sorted(ranks)],
         )
+
+
+def describe_reservation(launch_options: dict[str, Any]) -> str:
+    """What one rank reserves, in words ("1 CPU", "2 GPUs and 1 CPU"), from the options the
+    registry keeps (`LaunchOptions.as_dict`; empty: the defaults)."""
+    amounts = [
+        (launch_options.get("num_gpus") or 0.0, "GPU"),
+        (launch_options.get("num_cpus", 1.0) or 0.0, "CPU"),
+    ]
+    words = [f"{amount:g} {name}{'s' if amount != 1 else ''}" for amount, name in amounts if amount]
+    return " and ".join(words) or "room"
 
 
 def registry_answers_again(
@@ -158,9 +182,13 @@ def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
     forgets them in the registry and coordinator. Ranks already gone are skipped."""
     ranks = list(ranks)
     engines = {r: e for r in ranks if (e := _engine_or_none(handle, r)) is not None}
+    unregistered = _unregistered_ranks(handle)
     # Clients stop routing to them first, and take their deaths below as expected.
     _wait_quietly([handle.registry.set_rank_leaving.remote(r) for r in engines], timeout=10)
-    _wait_quietly([e.shutdown.remote() for e in engines.values()], timeout=30)
+    # An actor in its constructor (starting, or restarting after a death) would answer only
+    # once it is built: it is killed without being asked.
+    stops = [e.shutdown.remote() for r, e in engines.items() if r not in unregistered]
+    _wait_quietly(stops, timeout=30)
     owner = handle.owner
     for rank, engine in engines.items():
         _kill_quietly(engine)
@@ -171,6 +199,16 @@ def remove_ranks(handle: ClusterHandle, ranks: Iterable[int]) -> None:
     for rank in ranks:
         _wait_quietly([handle.registry.remove_rank.remote(rank)], timeout=10)
         _wait_quietly([handle.coordinator.forget_rank.remote(rank)], timeout=10)
+
+
+def _unregistered_ranks(handle: ClusterHandle) -> set[int]:
+    """The ranks whose actors have no registered incarnation now (STARTING, or DEAD)."""
+    try:
+        membership = ray.get(handle.registry.membership.remote(), timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return set()  # a registry gone or restarting: every engine is asked to stop
+    states = (RankState.STARTING, RankState.DEAD)
+    return {r for r, info in membership.ranks.items() if info.state in states}
 
 
 def get_named_actor(name: str, namespace: str) -> Any:

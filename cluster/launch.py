@@ -4,6 +4,7 @@
     ├── RegistryActor      "shoal-registry"      config, membership + epochs, clients, liveness
     ├── CoordinatorActor   "shoal-coordinator"   engines PUSH stats → XPUB to clients
     ├── ClusterOwnerActor  "shoal-owner"         creates (so owns) every rank's group and actor
+    ├── AutoscalerActor    "shoal-autoscaler"    with --autoscale (`shoal.cluster.autoscaler`)
     └── EngineCoreActor    "shoal-engine-<r>"    one per rank, in placement group
                                                  "shoal-<ns>-rank-<r>"
 
@@ -36,14 +37,17 @@ from shoal.cluster.ranks import (
     READY_TIMEOUT_S,
     EngineStartError,
     LaunchOptions,
+    LaunchStopped,
     add_ranks,
     check_rank_resources,
     default_resources,
 )
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.curve import CurveKeyPair
+from shoal.engine.core.vllm_args import require_vllm
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
+from shoal.engine.loader.hub import local_model_path
 from shoal.engine.parallel.expert_parallel import check_expert_parallel
 from shoal.engine.parallel.tensor_parallel import check_tensor_parallel
 
@@ -58,6 +62,7 @@ __all__ = [
     "ClusterNotFoundError",
     "EngineStartError",
     "LaunchOptions",
+    "LaunchStopped",
     "attach",
     "check_launchable",
     "is_stopped",
@@ -81,6 +86,7 @@ def launch(
     options: LaunchOptions | None = None,
     *,
     namespace: str = DEFAULT_NAMESPACE,
+    served_by: str | None = None,
 ) -> ClusterHandle:
     """Starts a named cluster of `config.parallel.data_parallel_size` engine ranks.
 
@@ -91,6 +97,8 @@ def launch(
             `LaunchOptions(default_resources(tensor_parallel_size))`: one GPU per worker of a
             rank when the cluster has GPUs, else one CPU per worker.
         namespace: Ray namespace the cluster's named actors live in.
+        served_by: the process that serves the cluster ("host:pid"), recorded in the registry
+            before any rank starts, so that `shoal stop` asks it to stop, launch included.
 
     Returns:
         A handle on the running cluster; every rank is READY in the registry.
@@ -103,6 +111,8 @@ def launch(
         EngineStartError: if an engine fails to start (nothing is left behind).
         ray.exceptions.GetTimeoutError: if placement or start-up exceed
             `options.ready_timeout_s`.
+        LaunchStopped: `shoal stop` asked the cluster to stop while its ranks started
+            (nothing is left behind).
     """
     check_launchable(config)
     _require_ray(namespace)
@@ -151,6 +161,8 @@ def launch(
             )
         )
         ray.get(registry.set_launch_options.remote(options.as_dict()))
+        if served_by is not None:
+            ray.get(registry.set_served_by.remote(served_by))
         add_ranks(handle, config, range(config.parallel.data_parallel_size), options)
     except BaseException as e:  # the caller gets `e`, with its traceback
         logger.error("launch of namespace %r failed (%s); tearing down", namespace, e)
@@ -164,13 +176,17 @@ def check_launchable(config: EngineConfig) -> None:
 
     Raises:
         ValueError: expert parallelism on a dense model, or over more ranks than experts; a
-            tensor-parallel size the model cannot be split by.
+            tensor-parallel size the model cannot be split by; vLLM's engine where vLLM is
+            not installed (its ranks check the model and the split themselves).
     """
+    if config.rank_engine.engine == "vllm":
+        require_vllm()
+        return
     parallel = config.parallel
     if not parallel.enable_expert_parallel and parallel.tensor_parallel_size == 1:
         return
     try:
-        arch = load_model_arch(config.model.model)
+        arch = load_model_arch(local_model_path(config.model))
     except ModelLoadError:
         return  # not readable here (another node's path): the ranks check it as they start
     check_tensor_parallel(arch, parallel.tensor_parallel_size)

@@ -1,7 +1,13 @@
 """Starting ranks: `LaunchOptions` (how every rank of a cluster is started, kept in its
-registry so a resize starts new ranks alike) and `add_ranks`, which reserves each rank's
-placement group, plans it in the registry, admits its key at the coordinator, creates its
-engine actor (by the cluster's owner) and waits until every one serves.
+registry so a resize starts new ranks alike) and `add_ranks`, which plans each rank in the
+registry (from then on `shoal status` shows it pending, with what it waits for), reserves its
+placement group, admits its key at the coordinator, creates its engine actor (by the
+cluster's owner) and waits until every one serves.
+
+While it waits it logs what the ranks do, once a second at most and only what changed (a rank
+waiting for a node with room, each rank's start steps and its weights' loading in percent, as
+the ranks report them to the registry), and it watches for `shoal stop`: a stop asked for
+while ranks start ends the wait with `LaunchStopped`.
 
 Stopping ranks is `shoal.cluster.handle.remove_ranks`; the whole launch is
 `shoal.cluster.launch`.
@@ -43,6 +49,14 @@ ENGINE_MAX_RESTARTS = 4
 READY_TIMEOUT_S = 600.0
 # How long the owner (and, at launch, the registry and coordinator) may take to answer.
 CONTROL_START_TIMEOUT_S = 60.0
+# How often a wait on starting ranks asks the registry what they do (and whether to stop).
+PROGRESS_POLL_S = 1.0
+# How often a wait for nodes with room says so again.
+_WAITING_NOTE_S = 15.0
+
+
+class LaunchStopped(RuntimeError):
+    """`shoal stop` asked the cluster to stop while its ranks were starting."""
 
 
 class EngineStartError(RuntimeError):
@@ -145,25 +159,29 @@ def add_ranks(
         EngineStartError: if an engine fails to start.
         ray.exceptions.GetTimeoutError: if placement or start-up exceed
             `options.ready_timeout_s`.
+        LaunchStopped: `shoal stop` asked the cluster to stop meanwhile.
     """
     ranks = list(ranks)
     start = time.monotonic()
-    groups = _place(handle, ranks, options, config.parallel.tensor_parallel_size)
-    for rank, group in groups.items():
-        # The rank's key pair, made here and kept in its constructor's arguments (a restarted
-        # rank has the same one): the coordinator admits it before the engine first connects,
-        # since a connection refused at its handshake is not tried again; and the registry
-        # takes registrations only with the token derived from it.
-        rank_keys = CurveKeyPair.generate()
+    deadline = start + options.ready_timeout_s
+    # Each rank's key pair, made here and kept in its constructor's arguments (a restarted
+    # rank has the same one): the coordinator admits it before the engine first connects,
+    # since a connection refused at its handshake is not tried again; and the registry takes
+    # registrations only with the token derived from it.
+    keys = {rank: CurveKeyPair.generate() for rank in ranks}
+    for rank in ranks:
         ray.get(
             handle.registry.plan_rank.remote(
                 rank,
                 engine_actor_name(rank),
                 placement_group_name(handle.namespace, rank),
-                registration_digest(registration_token(rank_keys)),
+                registration_digest(registration_token(keys[rank])),
             )
         )
-        ray.get(handle.coordinator.admit_engine.remote(rank, rank_keys.public))
+    watch = _StartWatch(handle, ranks)
+    groups = _place(handle, ranks, options, config.parallel.tensor_parallel_size, watch)
+    for rank, group in groups.items():
+        ray.get(handle.coordinator.admit_engine.remote(rank, keys[rank].public))
         handle.engines[rank] = _as_owner(
             handle,
             _create_engine_actor,
@@ -172,31 +190,105 @@ def add_ranks(
             group,
             config,
             options,
-            rank_keys,
+            keys[rank],
             keep_as=engine_actor_name(rank),
         )
-    deadline = start + options.ready_timeout_s
-    readiness = {rank: handle.engines[rank].ready.remote() for rank in ranks}
-    for rank, ready in readiness.items():
-        try:
-            ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
-        except ray.exceptions.RayActorError as e:
-            raise EngineStartError(rank, e) from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise ray.exceptions.GetTimeoutError(
-                f"rank {rank} did not start serving within {options.ready_timeout_s:.0f} s"
-            ) from e
+    logger.info("ranks %s placed; their actors start (a Python process each)", ranks)
+    _await_ready(handle, ranks, watch, deadline, options.ready_timeout_s)
     logger.info("ranks %s ready in %.1f s", ranks, time.monotonic() - start)
 
 
+class _StartWatch:
+    """What a wait on starting ranks shows: each start report of its ranks, logged once, and
+    a stop asked for (`shoal stop`), which ends the wait with `LaunchStopped`."""
+
+    def __init__(self, handle: ClusterHandle, ranks: list[int]) -> None:
+        self._registry = handle.registry
+        self._ranks = set(ranks)
+        self._shown: dict[int, int] = {}  # the number of each rank's last report logged
+        self.last_news = time.monotonic()  # when a report was last logged
+
+    def poll(self, *, can_stop: bool = True) -> None:
+        """Logs each report of the ranks not logged before, in the order they came.
+
+        Raises:
+            LaunchStopped: a stop was asked for (and `can_stop`).
+        """
+        try:
+            stopping, reports = ray.get(self._registry.start_progress.remote(), timeout=10)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+            logger.debug("no start progress from the registry: %s", e)  # it restarts
+            return
+        if stopping and can_stop:
+            raise LaunchStopped("`shoal stop` asked the cluster to stop while its ranks started")
+        for rank, kept in reports.items():
+            if kept and kept[-1][0] < self._shown.get(rank, 0):
+                self._shown[rank] = 0  # a registry that restarted numbers its reports anew
+        news = [
+            (number, rank, detail)
+            for rank in self._ranks & reports.keys()
+            for number, detail in reports[rank]
+            if number > self._shown.get(rank, 0)
+        ]
+        for number, rank, detail in sorted(news):
+            self._shown[rank] = number
+            self.last_news = time.monotonic()
+            logger.info("rank %d: %s", rank, detail)
+
+
+def _await_ready(
+    handle: ClusterHandle,
+    ranks: list[int],
+    watch: _StartWatch,
+    deadline: float,
+    timeout_s: float,
+) -> None:
+    """Waits until every rank's `ready()` answers, showing their progress meanwhile.
+
+    Raises:
+        EngineStartError: a rank's actor failed to start.
+        ray.exceptions.GetTimeoutError: a rank did not serve by `deadline`.
+        LaunchStopped: a stop was asked for.
+    """
+    pending = {rank: handle.engines[rank].ready.remote() for rank in ranks}
+    while pending:
+        done, _ = ray.wait(
+            list(pending.values()), num_returns=len(pending), timeout=PROGRESS_POLL_S
+        )
+        if done:  # what the ranks said before they served, then that they serve
+            watch.poll(can_stop=False)
+        for rank, ref in list(pending.items()):
+            if ref in done:
+                del pending[rank]
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise EngineStartError(rank, e) from e
+                logger.info("rank %d serves", rank)
+        if pending and time.monotonic() >= deadline:
+            raise ray.exceptions.GetTimeoutError(
+                f"rank {min(pending)} did not start serving within {timeout_s:.0f} s"
+            )
+        if pending:
+            watch.poll()
+            if time.monotonic() - watch.last_news >= _WAITING_NOTE_S:
+                watch.last_news = time.monotonic()
+                logger.info("ranks %s are still starting", sorted(pending))
+
+
 def _place(
-    handle: ClusterHandle, ranks: list[int], options: LaunchOptions, workers: int
+    handle: ClusterHandle,
+    ranks: list[int],
+    options: LaunchOptions,
+    workers: int,
+    watch: _StartWatch,
 ) -> dict[int, PlacementGroup]:
     """Reserves one placement group per rank (a bundle per worker) and waits until all are
-    placed.
+    placed, saying every so often which ranks still wait for room.
 
     Raises:
         ray.exceptions.GetTimeoutError: a rank found no room within `options.ready_timeout_s`.
+        LaunchStopped: a stop was asked for.
     """
     resources, timeout_s = options.resources, options.ready_timeout_s
     targets = plan_nodes(len(ranks), resources, options.placement_strategy)
@@ -218,14 +310,30 @@ def _place(
         options,
         workers,
     )
-    placed = {rank: group.ready() for rank, group in groups.items()}
-    _, unplaced = ray.wait(list(placed.values()), num_returns=len(placed), timeout=timeout_s)
-    if unplaced:
-        waiting = sorted(rank for rank, ready in placed.items() if ready in unplaced)
-        raise ray.exceptions.GetTimeoutError(
-            f"ranks {waiting} found no node with room for {resources.bundle()} each within "
-            f"{timeout_s:.0f} s"
+    pending = {rank: group.ready() for rank, group in groups.items()}
+    deadline = time.monotonic() + timeout_s
+    noted = time.monotonic()
+    while pending:
+        done, _ = ray.wait(
+            list(pending.values()), num_returns=len(pending), timeout=PROGRESS_POLL_S
         )
+        pending = {rank: ref for rank, ref in pending.items() if ref not in done}
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            raise ray.exceptions.GetTimeoutError(
+                f"ranks {sorted(pending)} found no node with room for {resources.bundle()} "
+                f"each within {timeout_s:.0f} s"
+            )
+        watch.poll()
+        if time.monotonic() - noted >= _WAITING_NOTE_S:
+            noted = time.monotonic()
+            logger.info(
+                "ranks %s still wait for a node with room for %s each (%.0f s left)",
+                sorted(pending),
+                resources.bundle(),
+                deadline - time.monotonic(),
+            )
     return groups
 
 

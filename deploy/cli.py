@@ -1,70 +1,98 @@
-"""The `shoal` command: serve a cluster, drive it, resize it, show its status, stop it, or run
-the demo.
+"""The `shoal` command: serve a cluster, drive it, resize it, drain a rank, show its status,
+stop it, run the demo, or name the demo's model.
 
     shoal serve PATH --data-parallel-size N [--namespace NAME] [--port P] [engine flags]
     shoal api-server --namespace NAME [--port P] [--ready-timeout S] [--exit-with-cluster]
     shoal generate [--namespace NAME] [--chat] [--max-tokens N] PROMPT [PROMPT ...]
     shoal scale --namespace NAME --data-parallel-size M [--switch-timeout-s S] [--json]
+    shoal drain --namespace NAME (--rank R | --node-ip IP) [--deadline-s S] [--no-restart]
     shoal status [--namespace NAME] [--json]
     shoal stop [--namespace NAME] [--timeout S]
     shoal demo [--data-parallel-size N]
+    shoal models
 
-Every subcommand reaches Ray at --address (default "auto": RAY_ADDRESS or the local node).
+Every subcommand that talks to a cluster reaches Ray at --address (default "auto":
+RAY_ADDRESS or the local node). A subcommand's module is imported only when it runs (or its
+help is shown), so a quick one does not wait for the others' imports (torch, the HTTP stack).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import ray
-
-from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, attach
-from shoal.deploy import demo, generate, ray_connection, scale, serve
 from shoal.deploy.flags import HelpFormatter
-from shoal.deploy.openai import server as api_server
-from shoal.deploy.status import show_status
-
-logger = logging.getLogger("shoal")
-
-STOP_TIMEOUT_S = 60.0
+from shoal.deploy.progress import configure_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class _Command:
+    """One subcommand: its help line, and where its flags and its run function live."""
+
+    help: str
+    module: str
+    add_args: str
+    run: str
+
+    def function(self, name: str) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), name)
+
+
+COMMANDS: dict[str, _Command] = {
+    "serve": _Command(
+        "launch a cluster and serve until stopped", "shoal.deploy.serve", "add_serve_args", "run"
+    ),
+    "api-server": _Command(
+        "serve the OpenAI API of a running cluster (attach by namespace)",
+        "shoal.deploy.openai.server",
+        "add_api_server_args",
+        "run",
+    ),
+    "status": _Command(
+        "ranks, their load, and attached clients", "shoal.deploy.status", "add_status_args", "run"
+    ),
+    "scale": _Command(
+        "resize a running cluster while it serves", "shoal.deploy.scale", "add_scale_args", "run"
+    ),
+    "drain": _Command(
+        "a rank stops taking work, finishes or hands over its own, restarts",
+        "shoal.deploy.drain",
+        "add_drain_args",
+        "run_command",
+    ),
+    "stop": _Command("tear the cluster down", "shoal.deploy.stop", "add_stop_args", "run"),
+    "generate": _Command(
+        "stream prompts through a running cluster",
+        "shoal.deploy.generate",
+        "add_generate_args",
+        "run",
+    ),
+    "demo": _Command(
+        "a local two-rank cluster of SmolLM2", "shoal.deploy.demo", "add_demo_args", "run"
+    ),
+    "models": _Command(
+        "print the path of the demo's model (SmolLM2-135M-Instruct, GGUF)",
+        "shoal.deploy.models",
+        "add_models_args",
+        "run",
+    ),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `shoal` parser with every subcommand's flags, or only those of `only` ("": none)."""
     parser = argparse.ArgumentParser(prog="shoal", description="LLM serving on a Ray cluster.")
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser
     )
-    serve.add_serve_args(
-        commands.add_parser("serve", help="launch a cluster and serve until stopped")
-    )
-    api_server.add_api_server_args(
-        commands.add_parser(
-            "api-server", help="serve the OpenAI API of a running cluster (attach by namespace)"
-        )
-    )
-    status = commands.add_parser("status", help="ranks, their load, and attached clients")
-    ray_connection.add_ray_args(status)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    scale.add_scale_args(
-        commands.add_parser("scale", help="resize a running cluster while it serves")
-    )
-    stop = commands.add_parser("stop", help="tear the cluster down")
-    ray_connection.add_ray_args(stop)
-    stop.add_argument(
-        "--timeout",
-        type=float,
-        default=STOP_TIMEOUT_S,
-        help="how long to wait for the serving process before tearing down directly",
-    )
-    generate.add_generate_args(
-        commands.add_parser("generate", help="stream prompts through a running cluster")
-    )
-    demo.add_demo_args(commands.add_parser("demo", help="a local two-rank cluster of SmolLM2"))
+    for name, command in COMMANDS.items():
+        subparser = commands.add_parser(name, help=command.help)
+        if only is None or only == name:
+            command.function(command.add_args)(subparser)
     return parser
 
 
@@ -78,62 +106,13 @@ class _SubcommandParser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shoal` console script. Returns the exit code."""
-    args = build_parser().parse_args(argv)
-    serve.configure_logging()
-    if args.command == "serve":
-        return serve.run(args)
-    if args.command == "generate":
-        return generate.run(args)
-    if args.command == "demo":
-        return demo.run(args)
-    if args.command == "api-server":
-        return api_server.run(args)
-    try:
-        handle = _attach(args.address, args.namespace)
-    except (ConnectionError, ClusterNotFoundError) as e:
-        print(f"shoal {args.command}: {e}", file=sys.stderr)
-        return 1
-    if args.command == "status":
-        return show_status(handle, as_json=args.json)
-    if args.command == "scale":
-        return scale.run(handle, args)
-    return stop_cluster(handle, timeout_s=args.timeout)
-
-
-def _attach(address: str, namespace: str) -> ClusterHandle:
-    try:
-        ray_connection.connect_ray(address, namespace, can_start_local=False)
-    except ConnectionError as e:
-        raise ConnectionError(f"no Ray cluster at {address!r} ({e})") from e
-    return attach(namespace)
-
-
-def stop_cluster(handle: ClusterHandle, *, timeout_s: float) -> int:
-    """Asks the serving process to tear the cluster down and waits for it; tears down
-    directly if nobody serves the cluster or the server does not finish in time."""
-    served_by = ray.get(handle.registry.status.remote())["served_by"]
-    ray.get(handle.registry.request_stop.remote())
-    if served_by:
-        logger.info("asked %s to stop the cluster in namespace %s", served_by, handle.namespace)
-        if not _wait_for_registry_exit(handle, timeout_s):
-            logger.warning("%s did not stop within %.0f s; tearing down here", served_by, timeout_s)
-    # Idempotent: after a clean server exit this only confirms nothing is left.
-    handle.shutdown()
-    print(f"stopped the shoal cluster in namespace {handle.namespace}")
-    return 0
-
-
-def _wait_for_registry_exit(handle: ClusterHandle, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(handle.registry.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return True
-        except ray.exceptions.GetTimeoutError:
-            pass  # busy, not gone
-        time.sleep(0.2)
-    return False
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The subcommand is the first word that is not a flag (`shoal --help` has none).
+    named = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(named if named in COMMANDS else "").parse_args(argv)
+    configure_logging()
+    command = COMMANDS[args.command]
+    return int(command.function(command.run)(args))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     ray.init(
+        address="local",  # a Ray of its own, whatever RAY_ADDRESS says
         num_cpus=max(4, size),
         include_dashboard=False,
         namespace=args.namespace,

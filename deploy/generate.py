@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.outputs import RequestOutput
-from shoal.client.prompts import PromptType, chat_prompt
+from shoal.client.api.outputs import RequestOutput
+from shoal.client.api.prompts import PromptType, chat_prompt
 from shoal.deploy.ray_connection import add_ray_args, connect_ray
 
 

@@ -13,16 +13,22 @@ Three sources, nothing polled from the engines:
   `shoal:ranks{state}`, `shoal:attached_clients`, `shoal:data_parallel_size`,
   `shoal:scale_in_progress` (1 while a resize runs), and the resizes the registry keeps (its
   last 32), `shoal:scale_events_total{outcome}` and `shoal:scale_duration_seconds{outcome}`
-  (outcome "committed", "rolled_back" or "unchanged"). Each resize is counted once per front
+  (outcome "committed", "rolled_back", "unchanged", or "drained": a rank drained by `shoal
+  drain`). Each resize is counted once per front
   end however often it is scraped (by its epoch), and a front end that starts later counts the
   past ones it finds in the registry, so every front end shows the same cluster-wide values:
-  `max`, not `sum`.
+  `max`, not `sum`. With an autoscaler (`shoal serve --autoscale`):
+  `shoal:autoscaler_decisions_total{direction,reason}` (its resizes, by "up"/"down" and
+  why: `shoal.cluster.autoscale_policy.REASONS`), `shoal:autoscaler_desired_size` and
+  `shoal:autoscaler_current_size` (the ranks serving now; pending ones are not capacity),
+  as the registry keeps them: the same on every front end.
 - Request series (token counters, `vllm:request_success_total`, the latency and size
   histograms, `shoal:requests_routed_total`) count what this front end served. Each front end
   is its own scrape target; `sum` over targets gives the cluster's totals.
 - `vllm:cache_config_info`, an info gauge (always 1) per rank whose labels are the KV cache's
   configuration as vLLM names it (`block_size`, `num_gpu_blocks`, `enable_prefix_caching`,
-  `cache_dtype`, ...), from what each engine said at HELLO and the cluster's config.
+  `cache_dtype`, ...), from what each engine said at HELLO and the cluster's config;
+  `gpu_memory_utilization` only for a rank on a GPU (`EngineFacts.device`).
 - Routing series, read at scrape time from this front end's router (`RoutingStats`):
   `shoal:routing_decisions_total{reason}` (reason "cache", "load", "session" or "only-rank"),
   and the prompt tokens the router predicted the chosen rank held cached against those the
@@ -31,7 +37,12 @@ Three sources, nothing polled from the engines:
   `shoal:requests_migrated_total{reason}` counts requests moved to another rank (reason
   "rank_failed": it died, hung or let this front end go; "resize": it left in a scale-down),
   `shoal:requests_failed_total{reason}` those lost instead ("migration_limit", "pinned",
-  "no_rank", "resize"; see `shoal.client.migration`).
+  "no_rank", "resize"; see `shoal.client.routing.migration`).
+- `shoal:poison_requests_total{reason}`: requests refused because they may crash a process
+  (`POISON_REASONS`): "compile_crash", an output constraint that crashed the front end's
+  grammar sandbox or ran past its time (`deploy/openai/grammar_sandbox.py`); "intake", one
+  whose rank died while taking it in; "rank_deaths", one running on two ranks as they died
+  (`shoal.client.routing.migration`). Per front end: `sum` over targets.
 
 Labels: `model_name` (the served model name), `engine` (the DP rank), and those named above.
 """
@@ -40,7 +51,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import (
@@ -58,10 +68,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shoal.client.lb_policy import REASONS
-from shoal.client.migration import FAILED_REASONS, MIGRATED_REASONS
-from shoal.client.outputs import RequestMetrics
-from shoal.client.routing import RoutingStats
+from shoal.client.api.outputs import RequestMetrics
+from shoal.client.routing.lb_policy import REASONS
+from shoal.client.routing.migration import FAILED_REASONS, MIGRATED_REASONS
+from shoal.client.routing.migration import POISON_REASONS as MIGRATION_POISON_REASONS
+from shoal.client.routing.router import RoutingStats
+from shoal.deploy.cluster_metrics import ClusterCollector, ClusterFacts
+from shoal.deploy.lora_metrics import LoRACollector
 from shoal.engine.config import CacheConfig
 from shoal.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineFacts, SchedulerStats
 
@@ -77,38 +90,24 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _SCALE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-_SCALE_OUTCOMES = ("committed", "rolled_back", "unchanged")
-
-
-@dataclass
-class ClusterFacts:
-    """What the registry says about the cluster, refreshed before each scrape."""
-
-    ranks_by_state: dict[str, int] = field(default_factory=dict)
-    num_clients: int = 0
-    data_parallel_size: int | None = None  # None until the registry has answered once
-    is_scaling: bool = False
-
-    def clear(self) -> None:
-        """Forgets the facts (the cluster is gone), as before the registry first answered."""
-        self.ranks_by_state = {}
-        self.num_clients = 0
-        self.data_parallel_size = None
-        self.is_scaling = False
+_SCALE_OUTCOMES = ("committed", "rolled_back", "unchanged", "drained")
 
 
 def cache_config_labels(cache: CacheConfig, facts: EngineFacts) -> dict[str, str]:
     """The labels of a rank's `vllm:cache_config_info`, spelt as vLLM spells its values
-    (`str()` of each: "True", "None"). The KV cache holds the model's dtype: "auto"."""
-    return {
+    (`str()` of each: "True", "None"). The KV cache holds the model's dtype: "auto".
+    `gpu_memory_utilization` only where it sizes the cache: a rank on a GPU."""
+    labels = {
         "block_size": str(facts.block_size),
         "num_gpu_blocks": str(facts.num_kv_blocks),
         "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "cache_dtype": "auto",
-        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
     }
+    if facts.device == "cuda":
+        labels["gpu_memory_utilization"] = str(cache.gpu_memory_utilization)
+    return labels
 
 
 class _RankCollector(Collector):
@@ -168,40 +167,6 @@ def _cumulative_buckets(counts: list[int]) -> list[tuple[str, float]]:
     return list(zip(bounds, itertools.accumulate(counts), strict=True))
 
 
-class _ClusterCollector(Collector):
-    """The cluster's gauges, from what the registry said last (`ClusterFacts`)."""
-
-    def __init__(self, model_name: str, cluster: ClusterFacts) -> None:
-        self._model_name = model_name
-        self._cluster = cluster
-
-    def collect(self) -> Iterator[Metric]:
-        ranks = GaugeMetricFamily(
-            "shoal:ranks", "The cluster's ranks by state.", labels=["model_name", "state"]
-        )
-        for state, count in sorted(self._cluster.ranks_by_state.items()):
-            ranks.add_metric([self._model_name, state], count)
-        yield ranks
-        clients = GaugeMetricFamily(
-            "shoal:attached_clients",
-            "Clients (front ends, drivers) attached to the cluster.",
-            labels=["model_name"],
-        )
-        clients.add_metric([self._model_name], self._cluster.num_clients)
-        yield clients
-        if self._cluster.data_parallel_size is not None:
-            size = GaugeMetricFamily(
-                "shoal:data_parallel_size", "The cluster's ranks.", labels=["model_name"]
-            )
-            size.add_metric([self._model_name], self._cluster.data_parallel_size)
-            yield size
-        scaling = GaugeMetricFamily(
-            "shoal:scale_in_progress", "1 while a resize runs, else 0.", labels=["model_name"]
-        )
-        scaling.add_metric([self._model_name], int(self._cluster.is_scaling))
-        yield scaling
-
-
 class _CacheConfigCollector(Collector):
     """`vllm:cache_config_info`: one series per rank, valued 1, its labels the cache config."""
 
@@ -225,6 +190,30 @@ class _CacheConfigCollector(Collector):
             values = [labels.get(name, "") for name in names]
             info.add_metric([self._model_name, str(rank), *values], 1)
         yield info
+
+
+# The `reason` label of `shoal:poison_requests_total`.
+POISON_COMPILE_CRASH = "compile_crash"
+POISON_REASONS = (POISON_COMPILE_CRASH, *MIGRATION_POISON_REASONS)
+
+
+class _PoisonCollector(Collector):
+    """`shoal:poison_requests_total{reason}`, read at scrape time from their counters."""
+
+    def __init__(self, model_name: str, poison_counts: Callable[[], Mapping[str, int]]) -> None:
+        self._model_name = model_name
+        self._poison_counts = poison_counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._poison_counts()
+        family = CounterMetricFamily(
+            "shoal:poison_requests",
+            "Requests refused because they may crash a process, by why.",
+            labels=["model_name", "reason"],
+        )
+        for reason in POISON_REASONS:
+            family.add_metric([self._model_name, reason], counts.get(reason, 0))
+        yield family
 
 
 class _RoutingCollector(Collector):
@@ -279,16 +268,25 @@ class ServerMetrics:
         rank_stats: Callable[[], dict[int, SchedulerStats]],
         routing_stats: Callable[[], RoutingStats | None] = lambda: None,
         cache_config: Callable[[], dict[int, dict[str, str]]] = dict,
+        poison_counts: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.cluster = ClusterFacts()
-        labels = ["model_name", "engine"]
+        self._add_request_counters(["model_name", "engine"])
+        self._add_latency_histograms(["model_name", "engine"])
+        self._add_scale_metrics()
         reg = self.registry
+        reg.register(_RankCollector(model_name, rank_stats))
+        reg.register(ClusterCollector(model_name, self.cluster))
+        reg.register(_RoutingCollector(model_name, routing_stats))
+        reg.register(_CacheConfigCollector(model_name, cache_config))
+        reg.register(_PoisonCollector(model_name, poison_counts))
+        reg.register(LoRACollector(model_name, rank_stats))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
-
+    def _add_request_counters(self, labels: list[str]) -> None:
+        """Tokens and requests served, by rank."""
+        reg = self.registry
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of served requests.", labels, registry=reg
         )
@@ -305,6 +303,14 @@ class ServerMetrics:
             "shoal:requests_routed", "Requests this front end sent to each rank.", labels,
             registry=reg,
         )  # fmt: skip
+
+    def _add_latency_histograms(self, labels: list[str]) -> None:
+        """Each request's latencies and sizes, by rank."""
+        reg = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
@@ -336,6 +342,10 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+
+    def _add_scale_metrics(self) -> None:
+        """The cluster's resizes, by outcome: every series there from the first scrape, at 0."""
+        reg = self.registry
         scale_labels = ["model_name", "outcome"]
         self.scale_events = Counter(
             "shoal:scale_events", "Resizes of the cluster, by outcome.", scale_labels,
@@ -345,14 +355,10 @@ class ServerMetrics:
             "shoal:scale_duration_seconds", "How long a resize took, by outcome.", scale_labels,
             registry=reg, buckets=_SCALE_BUCKETS,
         )  # fmt: skip
-        for outcome in _SCALE_OUTCOMES:  # every series from the first scrape on, at 0
-            self.scale_events.labels(model_name, outcome)
-            self.scale_duration.labels(model_name, outcome)
+        for outcome in _SCALE_OUTCOMES:
+            self.scale_events.labels(self.model_name, outcome)
+            self.scale_duration.labels(self.model_name, outcome)
         self._counted_scale_epochs: set[int] = set()
-        reg.register(_RankCollector(model_name, rank_stats))
-        reg.register(_ClusterCollector(model_name, self.cluster))
-        reg.register(_RoutingCollector(model_name, routing_stats))
-        reg.register(_CacheConfigCollector(model_name, cache_config))
 
     def observe_scale_history(self, history: Iterable[Mapping[str, Any]]) -> None:
         """Counts the resizes of the registry's history (`status()["scale_history"]`, re-read

@@ -1,8 +1,8 @@
 """Checks `shoal serve` and `shoal api-server` make before anything starts, so that a mistake
 costs one line and exit code 2 instead of a launch and an actor's traceback.
 
-Order of a launch: flags (`check_not_negative`), the model where this node can read it
-(`check_model_here`), the HTTP port (`bind_http_port` holds it until uvicorn serves on it),
+Order of a launch: flags (`check_not_negative`), a model given as a Hub id downloaded
+(`local_path_or_refusal`), the model where this node can read it (`check_model_here`), the HTTP port (`bind_http_port` holds it until uvicorn serves on it),
 then, once Ray is connected and before any actor starts, a model path that no node of a
 one-node cluster has (`check_model_on_cluster`).
 """
@@ -15,8 +15,10 @@ import socket
 
 import ray
 
+from shoal.engine.config import EngineConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
+from shoal.engine.loader.hub import local_model_path
 
 
 def check_not_negative(args: argparse.Namespace) -> None:
@@ -28,16 +30,30 @@ def check_not_negative(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {value}")
 
 
-def check_model_here(path: str) -> None:
+def local_path_or_refusal(config: EngineConfig) -> str:
+    """The model's local path: itself, or a Hub id's snapshot, downloaded now.
+
+    Raises:
+        ValueError: the id names no repository or revision, or the Hub cannot be reached.
+    """
+    try:
+        return local_model_path(config.model)
+    except ModelLoadError as e:
+        raise ValueError(str(e)) from e
+
+
+def check_model_here(path: str, engine: str = "shoal") -> None:
     """Reads the checkpoint's metadata when this node has the path.
 
     A path this node lacks is left to `check_model_on_cluster` (other nodes may have it).
+    vLLM's engine reads the checkpoints vLLM serves (far more architectures than shoal's
+    loader), so with it only the path is checked here; its ranks check the model.
 
     Raises:
         ValueError: the path exists but is no servable checkpoint (missing config.json or
             weights, an unsupported architecture, a broken GGUF header).
     """
-    if not os.path.exists(path):
+    if not os.path.exists(path) or engine == "vllm":
         return
     try:
         load_model_arch(path)

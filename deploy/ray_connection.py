@@ -8,10 +8,11 @@ import argparse
 import logging
 import os
 import socket
+import sys
 
 import ray
 
-from shoal.cluster.launch import DEFAULT_NAMESPACE
+from shoal.cluster.launch import DEFAULT_NAMESPACE, ClusterHandle, ClusterNotFoundError, attach
 
 logger = logging.getLogger("shoal.serve")
 
@@ -57,3 +58,17 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=3).close()
     except OSError as e:
         raise ConnectionError(f"nothing listens at {address}: {e}") from e
+
+
+def attach_cluster(command: str, args: argparse.Namespace) -> ClusterHandle | None:
+    """The cluster of `args.namespace`, reached at `args.address` (Ray is never started here);
+    None, after one line on stderr that says why, when there is none."""
+    try:
+        try:
+            connect_ray(args.address, args.namespace, can_start_local=False)
+        except ConnectionError as e:
+            raise ConnectionError(f"no Ray cluster at {args.address!r} ({e})") from e
+        return attach(args.namespace)
+    except (ConnectionError, ClusterNotFoundError) as e:
+        print(f"shoal {command}: {e}", file=sys.stderr)
+        return None

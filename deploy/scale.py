@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -20,8 +21,9 @@ import time
 from typing import Any
 
 from shoal.cluster.elastic import SWITCH_TIMEOUT_S, ScaleError, ScaleInProgressError, scale
-from shoal.cluster.launch import ClusterHandle
-from shoal.deploy.ray_connection import add_ray_args
+from shoal.deploy.ray_connection import add_ray_args, attach_cluster
+
+logger = logging.getLogger("shoal.scale")
 
 # How many past resizes `shoal status` lists.
 NUM_STATUS_SCALES = 5
@@ -50,8 +52,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def run(handle: ClusterHandle, args: argparse.Namespace) -> int:
-    """Runs `shoal scale` on an attached cluster. Returns the exit code."""
+def run(args: argparse.Namespace) -> int:
+    """Runs `shoal scale`. Returns the exit code."""
+    handle = attach_cluster("scale", args)
+    if handle is None:
+        return 1
+    logger.info(
+        "resizing namespace %s to %d ranks (each phase is logged as it starts)",
+        handle.namespace,
+        args.data_parallel_size,
+    )
     try:
         report = scale(
             handle,

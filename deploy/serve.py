@@ -1,12 +1,16 @@
 """`shoal serve` / `python -m shoal.deploy.serve`: launch a named cluster and serve until stopped.
 
 This is the command users put behind `ray job submit -- ...`. It connects to Ray, launches
-the cluster, logs one line with the namespace and ranks once every rank serves, then waits
-for `shoal stop` (the registry's stop flag), SIGTERM or SIGINT, and tears the cluster down
-(no actor, no placement group left) before exiting 0. With `--port`, it also serves the
+the cluster (logging each rank's start as it goes: waiting for room, its weights loading in
+percent, serving), logs one line with the namespace and ranks once every rank serves, then
+waits for `shoal stop` (the registry's stop flag), SIGTERM or SIGINT, and tears the cluster
+down (no actor, no placement group left) before exiting 0. A `shoal stop` during the launch
+ends it the same way: the ranks started so far are torn down and the command exits 0. With `--port`, it also serves the
 OpenAI API (`shoal.deploy.openai`) from a thread of this process while the cluster runs.
+With `--autoscale`, the cluster's autoscaler (`shoal.cluster.autoscaler`) starts once the
+ranks serve and sizes it between `--min-data-parallel-size` and `--max-data-parallel-size`.
 A mistake found before the launch (`shoal.deploy.preflight`: a bad size, an unservable
-model, a port in use) ends the command with one line and exit code 2.
+model, a port in use, bad autoscaling bounds) ends the command with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -20,21 +24,28 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 import ray
 
+from shoal.cluster.autoscale_policy import AutoscalerConfig
+from shoal.cluster.autoscaler import start_autoscaler
 from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterExistsError,
+    ClusterHandle,
     EngineStartError,
     LaunchOptions,
+    LaunchStopped,
     check_launchable,
     launch,
 )
 from shoal.cluster.placement import RankResources
 from shoal.cluster.ranks import check_rank_resources
+from shoal.deploy.autoscale import add_autoscale_args, autoscaler_config, launch_size
 from shoal.deploy.flags import HelpFormatter, add_vllm_compat_args
 from shoal.deploy.openai.generation_config import load_generation_defaults
+from shoal.deploy.openai.lora import serve_lora_modules
 from shoal.deploy.openai.server import (
     FrontEndConfig,
     FrontEndThread,
@@ -46,9 +57,12 @@ from shoal.deploy.preflight import (
     check_model_here,
     check_model_on_cluster,
     check_not_negative,
+    local_path_or_refusal,
 )
+from shoal.deploy.progress import configure_logging
 from shoal.deploy.ray_connection import add_ray_args, connect_ray
 from shoal.engine.config import EngineConfig, add_engine_cli_args, engine_kwargs_from_cli
+from shoal.engine.model_arch import describe_architectures
 
 logger = logging.getLogger("shoal.serve")
 
@@ -62,7 +76,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="local Hugging Face directory or .gguf file (or give --model)",
     )
-    parser.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face directory or .gguf file, of one of these architectures: "
+        + describe_architectures().replace("%", "%%"),
+    )
     add_ray_args(parser)
     parser.add_argument(
         "--data-parallel-address",
@@ -77,6 +96,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="HTTP front ends this process runs (1; attach more with `shoal api-server`)",
     )
     add_rank_args(parser)
+    add_autoscale_args(parser)
     parser.add_argument(
         "--detached",
         action="store_true",
@@ -158,12 +178,26 @@ def model_of(args: argparse.Namespace) -> str:
     return str(model)
 
 
+def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine fields of `shoal serve`'s flags. vLLM's `--enforce-eager`, a no-op for
+    shoal's engine, reaches vLLM's engine as its engine argument."""
+    kwargs = engine_kwargs_from_cli(args)
+    if kwargs.get("engine") == "vllm" and getattr(args, "enforce_eager", False):
+        kwargs["vllm_engine_args"] = {"enforce_eager": True, **kwargs["vllm_engine_args"]}
+    return kwargs
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `shoal serve` with parsed arguments. Returns the exit code."""
     try:
         check_not_negative(args)
         args.model = model_of(args)
-        config = EngineConfig.from_kwargs(args.model, **engine_kwargs_from_cli(args))
+        autoscaling = autoscaler_config(args)
+        kwargs = serve_engine_kwargs(args)
+        if autoscaling is not None:
+            size = kwargs.get("data_parallel_size", 1)
+            kwargs["data_parallel_size"] = launch_size(autoscaling, size)
+        config = EngineConfig.from_kwargs(args.model, **kwargs)
     except (ValueError, TypeError) as e:
         logger.error("shoal serve: %s", e)
         return 2
@@ -179,20 +213,24 @@ def run(args: argparse.Namespace) -> int:
         logger.error("--port serves from this process, which --detached leaves at once")
         return 2
     try:
-        check_model_here(config.model.model)
+        # A Hub id is downloaded here first: this node reads its config and tokenizer (the
+        # ranks resolve the id on their own nodes, finding this snapshot on this one).
+        model_path = local_path_or_refusal(config)
+        check_model_here(model_path, config.rank_engine.engine)
         check_launchable(config)
         if args.num_gpus_per_rank is not None:
             check_rank_resources(config, RankResources(num_gpus=args.num_gpus_per_rank))
         http_config = None if args.port is None else front_end_config(args, args.port)
-        if http_config is not None:  # the front end reads it again as it starts
-            load_generation_defaults(http_config.generation_config, config.model.model)
+        if http_config is not None:  # the front end reads these again as it starts
+            load_generation_defaults(http_config.generation_config, model_path)
+            serve_lora_modules(http_config.lora_modules, config.lora, ())
         # Held from now on, so a port in use fails before anything launches.
         sock = None if args.port is None else bind_http_port(args.host, args.port)
     except ValueError as e:
         logger.error("shoal serve: %s", e)
         return 2
     try:
-        return _launch_and_serve(args, config, http_config, sock)
+        return _launch_and_serve(args, config, model_path, http_config, sock, autoscaling)
     finally:
         if sock is not None:
             sock.close()
@@ -201,14 +239,16 @@ def run(args: argparse.Namespace) -> int:
 def _launch_and_serve(
     args: argparse.Namespace,
     config: EngineConfig,
+    model_path: str,
     http_config: FrontEndConfig | None,
     sock: socket.socket | None,
+    autoscaling: AutoscalerConfig | None = None,
 ) -> int:
     stop = _StopSignals()
     try:
         connect_ray(args.address, args.namespace, can_start_local=True)
         try:
-            check_model_on_cluster(config.model.model)
+            check_model_on_cluster(model_path)
         except ValueError as e:
             logger.error("shoal serve: %s", e)
             return 2
@@ -220,8 +260,13 @@ def _launch_and_serve(
             detached=args.detached,
             ready_timeout_s=args.ready_timeout,
         )
-        handle = launch(config, options, namespace=args.namespace)
+        server = f"{socket.gethostname()}:{os.getpid()}"
+        handle = launch(config, options, namespace=args.namespace, served_by=server)
         stop.is_serving = True
+        if autoscaling is not None:
+            start_autoscaler(
+                handle, autoscaling, detached=args.detached, ready_timeout_s=args.ready_timeout
+            )
     except (ClusterExistsError, ConnectionError) as e:
         logger.error("shoal serve: %s", e)
         return 1
@@ -231,9 +276,24 @@ def _launch_and_serve(
     except KeyboardInterrupt:
         logger.info("interrupted while launching; nothing is left running")
         return 130
+    except LaunchStopped as e:
+        logger.info("%s; nothing is left running", e)
+        return 0
     except Exception:
         logger.exception("launch failed")
         return 1
+    return _serve_until_stopped(args, handle, stop, http_config, sock)
+
+
+def _serve_until_stopped(
+    args: argparse.Namespace,
+    handle: ClusterHandle,
+    stop: _StopSignals,
+    http_config: FrontEndConfig | None,
+    sock: socket.socket | None,
+) -> int:
+    """Serves the launched cluster (and its front end) until `shoal stop` or a signal, then
+    tears it down; a detached cluster is left running at once. Returns the exit code."""
     try:
         membership = handle.membership()
         endpoints = {r: i.endpoint.input_address for r, i in membership.ranks.items() if i.endpoint}
@@ -244,10 +304,10 @@ def _launch_and_serve(
             args.model,
             endpoints,
         )
-        if args.detached:
+        if args.detached:  # nobody serves it from now on: `shoal stop` tears it down itself
+            ray.get(handle.registry.set_served_by.remote(None))
             logger.info("detached: stop it with `shoal stop --namespace %s`", args.namespace)
             return 0
-        ray.get(handle.registry.set_served_by.remote(f"{socket.gethostname()}:{os.getpid()}"))
         front_end = _start_front_end(http_config, sock)
         try:
             handle.wait_until_stop_requested(
@@ -280,15 +340,6 @@ def _start_front_end(
     front_end = FrontEndThread(config, sock)
     front_end.start()
     return front_end
-
-
-def configure_logging() -> None:
-    """INFO logs on stderr: stdout carries only what a command prints (`--json` documents)."""
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

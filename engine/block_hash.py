@@ -29,6 +29,14 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def adapter_root_hash(lora_name: str, lora_path: str) -> int:
+    """The parent hash of the first block of a request that runs with a LoRA adapter: its KV
+    differs from the base model's for the same tokens, so its chain starts apart."""
+    digest = hashlib.blake2b(b"lora\0", digest_size=16)
+    digest.update(f"{lora_name}\0{lora_path}".encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
 def routing_key(block_hash: int) -> int:
     """The 64-bit key of a block hash that KV events and routing indexes carry."""
     return block_hash & _ROUTING_KEY_MASK
@@ -43,13 +51,16 @@ def num_hit_blocks(num_tokens: int, block_size: int) -> int:
     return max(0, num_tokens - 1) // block_size
 
 
-def prompt_routing_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The routing keys of the blocks of `token_ids` a prefix-cache hit could cover, in order.
+def prompt_routing_keys(
+    token_ids: Sequence[int], block_size: int, root: int = ROOT_BLOCK_HASH
+) -> list[int]:
+    """The routing keys of the blocks of `token_ids` a prefix-cache hit could cover, in order
+    (`root`: the first block's parent; `adapter_root_hash` for a LoRA request).
 
     O(number of blocks): one hash per block.
     """
     keys = []
-    parent = ROOT_BLOCK_HASH
+    parent = root
     for i in range(num_hit_blocks(len(token_ids), block_size)):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         keys.append(routing_key(parent))

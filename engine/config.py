@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from shoal.engine.lora.config import LoRAConfig
+from shoal.engine.rank_engine_config import RankEngineConfig, check_vllm_engine
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# Tokens per KV block of shoal's engine when --block-size is not given (vLLM's engine picks its
+# own: 128 on CPU, 16 on CUDA).
+DEFAULT_BLOCK_SIZE = 16
 # `--attention-backend` choices, spelled as vLLM spells them (shoal.engine.model.attention.selector).
 ATTENTION_BACKENDS = ("CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN")
+# `--scheduling-policy` choices, vLLM's (shoal.engine.request_queue).
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 # The offline `LLM`'s step budget, as vLLM's offline default on CPU: with every request queued
@@ -25,6 +35,66 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+# vLLM's `--runner` and `--convert` choices that shoal has (its models are causal LMs).
+Runner = Literal["auto", "generate", "pooling"]
+Convert = Literal["auto", "none", "embed"]
+PoolingType = Literal["LAST", "MEAN"]
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling engine (`--runner pooling`) turns a prompt's final hidden states into one
+    vector: vLLM's `--pooler-config` fields that shoal has.
+
+    Attributes:
+        pooling_type: LAST (the last prompt token's state, vLLM's default for `embed`) or MEAN
+            (the mean over every prompt token).
+        use_activation: L2-normalise the pooled vector (vLLM's embedding activation; its older
+            name `normalize` is read too).
+    """
+
+    pooling_type: PoolingType = "LAST"
+    use_activation: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in get_args(PoolingType):
+            raise ValueError(
+                f"--pooler-config pooling_type {self.pooling_type!r} is not supported; use "
+                f"{' or '.join(get_args(PoolingType))}"
+            )
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | PoolerConfig) -> PoolerConfig:
+        """`--pooler-config`'s JSON (or its dict).
+
+        Raises:
+            ValueError: not a JSON object, a field shoal does not have, or a bad value.
+        """
+        if isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--pooler-config is not JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("--pooler-config must be a JSON object")
+        fields = dict(value)
+        if "normalize" in fields:  # vLLM's older name
+            fields.setdefault("use_activation", fields.pop("normalize"))
+        unknown = sorted(set(fields) - {"pooling_type", "use_activation"})
+        if unknown:
+            raise ValueError(
+                f"--pooler-config field(s) {', '.join(unknown)} are not supported; shoal has "
+                "pooling_type (LAST or MEAN) and use_activation (normalize)"
+            )
+        if not isinstance(fields.get("use_activation", True), bool):
+            raise ValueError("--pooler-config use_activation must be true or false")
+        if isinstance(fields.get("pooling_type"), str):
+            fields["pooling_type"] = fields["pooling_type"].upper()
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -68,6 +138,48 @@ class ModelConfig:
         ),
     )
 
+    revision: str | None = field(
+        default=None,
+        metadata=_help(
+            "the branch, tag or commit of a model given as a Hugging Face Hub id; default: main"
+        ),
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "where a model given as a Hub id is downloaded to (and found again); default: the "
+            "Hugging Face cache ($HF_HOME/hub)"
+        ),
+    )
+    runner: Runner = field(
+        default="auto",
+        metadata={
+            **_help(
+                "generate: sample tokens; pooling: return each prompt's pooled final hidden "
+                "state (/v1/embeddings); auto: pooling with --convert embed, else generate"
+            ),
+            "choices": get_args(Runner),
+        },
+    )
+    convert: Convert = field(
+        default="auto",
+        metadata={
+            **_help(
+                "embed: serve the causal LM as an embedding model (implies --runner pooling); "
+                "auto: embed under --runner pooling, else none"
+            ),
+            "choices": get_args(Convert),
+        },
+    )
+    pooler_config: PoolerConfig | None = field(
+        default=None,
+        metadata=_help(
+            'pooling engines: JSON such as \'{"pooling_type": "MEAN", "use_activation": true}\' '
+            "(pooling_type LAST or MEAN; use_activation, or normalize: L2-normalise); default: "
+            "LAST, normalised"
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must not be negative, got {self.max_logprobs}")
@@ -76,13 +188,48 @@ class ModelConfig:
                 f"unknown attention_backend {self.attention_backend!r}; use one of "
                 f"{', '.join(ATTENTION_BACKENDS)}"
             )
+        self._check_runner()
+        if self.pooler_config is not None:
+            object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+            if not self.is_pooling:
+                raise ValueError("--pooler-config applies to --runner pooling only")
+
+    def _check_runner(self) -> None:
+        if self.runner not in get_args(Runner):
+            raise ValueError(f"unknown runner {self.runner!r}; use one of {get_args(Runner)}")
+        if self.convert not in get_args(Convert):
+            raise ValueError(f"unknown convert {self.convert!r}; use one of {get_args(Convert)}")
+        if self.runner == "generate" and self.convert == "embed":
+            raise ValueError("--convert embed makes an embedding model: use --runner pooling")
+        if self.runner == "pooling" and self.convert == "none":
+            raise ValueError(
+                "--runner pooling with --convert none: shoal's models are causal LMs with no "
+                "pooler of their own; use --convert embed (or auto)"
+            )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine pools (embeddings) instead of generating."""
+        return self.runner == "pooling" or self.convert == "embed"
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """The pooling engine's pooler (vLLM's defaults for `embed` where not configured)."""
+        assert isinstance(self.pooler_config, PoolerConfig | None)
+        return self.pooler_config or PoolerConfig()
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block geometry, memory budget and prefix caching."""
 
-    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    block_size: int | None = field(
+        default=None,
+        metadata=_help(
+            f"tokens per KV block; default: {DEFAULT_BLOCK_SIZE} for shoal's engine, the "
+            "platform's for vLLM's (128 on CPU, 16 on CUDA)"
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse KV blocks of identical prompt prefixes")
     )
@@ -99,8 +246,13 @@ class CacheConfig:
         default=None, metadata=_help("exact number of KV blocks, overriding the budget")
     )
 
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per block in shoal's engine: the given size, else `DEFAULT_BLOCK_SIZE`."""
+        return DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
+
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be positive")
@@ -121,6 +273,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=_help("split long prompts across steps")
     )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata={
+            **_help(
+                "fcfs: requests run in arrival order; priority: by their `priority` (lower "
+                "first, then arrival), the least urgent running request preempted first when "
+                "KV blocks run out (vLLM's policies)"
+            ),
+            "choices": SCHEDULING_POLICIES,
+        },
+    )
     step_timeout_s: float = field(
         default=300.0,
         metadata=_help(
@@ -134,13 +297,19 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.step_timeout_s < 0:
             raise ValueError("step_timeout_s must be positive, or 0 for no limit")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"unknown scheduling_policy {self.scheduling_policy!r}; use fcfs or priority"
+            )
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Data / expert parallelism across engine ranks, tensor parallelism inside each."""
 
-    data_parallel_size: int = field(default=1, metadata=_help("number of engine ranks"))
+    data_parallel_size: int = field(
+        default=1, metadata={**_help("number of engine ranks"), "aliases": ("-dp",)}
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata={
@@ -188,6 +357,8 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "rank_engine": RankEngineConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -199,6 +370,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rank_engine: RankEngineConfig = field(default_factory=RankEngineConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.rank_engine.engine == "vllm":
+            check_vllm_engine(self)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -243,14 +420,30 @@ def add_engine_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...
                 parser.add_argument(
                     *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
+            elif f.metadata.get("parse") == "json":
+                parser.add_argument(*flags, type=_json_object, default={}, help=help_text)
             else:
-                parser.add_argument(*flags, type=_cli_type(f.type), default=default, help=help_text)
+                parser.add_argument(
+                    *flags,
+                    type=_cli_type(f.type),
+                    default=default,
+                    choices=f.metadata.get("choices"),
+                    help=help_text,
+                )
 
 
 def engine_kwargs_from_cli(args: argparse.Namespace) -> dict[str, Any]:
     """Collects the engine fields parsed by `add_engine_cli_args`, model excluded."""
     names = {f.name for c in _SECTIONS.values() for f in dataclasses.fields(c)} - {"model"}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (argparse reports the ValueError as a bad value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def _cli_type(annotation: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Paged KV cache bookkeeping per request: block tables, prefix-cache hits and registration.
+"""Paged KV cache bookkeeping per request: block tables, prefix-cache hits and registration, and
+the blocks a sliding window leaves behind.
 
 Owns which blocks each request holds and the chain of block hashes of its full blocks; the
 physical pool (reference counts, free queue, index) is `shoal.engine.block_pool`. It does not know
@@ -9,13 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shoal.engine.block_hash import ROOT_BLOCK_HASH, num_hit_blocks
+from shoal.engine.block_hash import num_hit_blocks
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.request import Request
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# A block table entry whose block a sliding window released (attention never reads it).
+FREED_BLOCK = -1
 
 
 class KVCacheManager:
@@ -25,17 +30,34 @@ class KVCacheManager:
     `(hash of block i-1, token ids of block i)`, so a hit means the whole prefix matches.
     Both prompt and generated tokens are registered once their KV is computed.
 
+    With a `sliding_window` W (a model whose every layer attends to its last W positions only),
+    a request's blocks wholly before position `num_computed_tokens - W + 1` are never read
+    again: `allocate_slots` gives them back to the pool before it reserves the next tokens
+    (they stay in the prefix cache until evicted) and their table entries become FREED_BLOCK.
+    A later prefix hit still walks the chain from the first block, so a prefix whose early
+    blocks were evicted hits shorter.
+
     Args:
         num_blocks: blocks in the pool (ids 0..num_blocks-1).
         block_size: token slots per block.
         enable_prefix_caching: share and keep full blocks across requests.
+        sliding_window: the model's window when every layer slides; None otherwise.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks)
         self._block_ids: dict[str, list[int]] = {}
         # Hashes of each request's leading full blocks that are registered (or found) so far.
@@ -74,7 +96,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_hit_blocks = num_hit_blocks(len(tokens), self.block_size)
         block_ids: list[int] = []
-        parent_hash = ROOT_BLOCK_HASH
+        parent_hash = request.root_block_hash
         for i in range(max_hit_blocks):
             block_tokens = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_id = self.block_pool.lookup(parent_hash, block_tokens)
@@ -107,8 +129,10 @@ class KVCacheManager:
                 as computed in front of the new tokens.
 
         Returns:
-            False, changing nothing, if there are not enough free blocks.
+            False, changing nothing (but releasing blocks its window left behind), if there are
+            not enough free blocks.
         """
+        self._release_out_of_window(request)
         num_to_take = self._num_blocks_to_take(request, num_new_tokens, computed_blocks)
         if num_to_take > self.num_free_blocks:
             return False
@@ -133,7 +157,7 @@ class KVCacheManager:
         block_ids = self._block_ids.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
         if block_ids is not None:
-            self.block_pool.free(reversed(block_ids))
+            self.block_pool.free(b for b in reversed(block_ids) if b != FREED_BLOCK)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's full blocks whose KV is now computed (prompt and output)."""
@@ -145,7 +169,7 @@ class KVCacheManager:
         assert num_full_blocks <= len(block_ids), f"{request} computed past its blocks"
         tokens = request.all_token_ids
         for i in range(len(block_hashes), num_full_blocks):
-            parent_hash = block_hashes[-1] if block_hashes else ROOT_BLOCK_HASH
+            parent_hash = block_hashes[-1] if block_hashes else request.root_block_hash
             block_tokens = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hashes.append(
                 self.block_pool.cache_block(block_ids[i], parent_hash, block_tokens)
@@ -158,6 +182,20 @@ class KVCacheManager:
             False, changing nothing, while any request holds blocks.
         """
         return self.block_pool.reset_prefix_cache()
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Gives back the held blocks no query of the request's next tokens can see."""
+        block_ids = self._block_ids.get(request.request_id)
+        if self.sliding_window is None or not block_ids:
+            return
+        # A request admitted with a prefix hit holds all of it for its first step: it is not in
+        # `_block_ids` before then, and its `num_computed_tokens` counts the hit after.
+        num_computed = request.num_computed_tokens
+        num_unseen = max(0, num_computed + 1 - self.sliding_window) // self.block_size
+        released = [b for b in block_ids[:num_unseen] if b != FREED_BLOCK]
+        if released:
+            block_ids[:num_unseen] = [FREED_BLOCK] * num_unseen
+            self.block_pool.free(released)
 
     def _num_blocks_to_take(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]

@@ -4,7 +4,7 @@
 the prefix cache gains and evicts, and seals them into numbered `KVCacheEvents` batches, one per
 busy-loop turn; `with_kv_events` puts the batches on the frames every attached client receives.
 The client side of the protocol (its state machine, snapshot and resync) is
-`shoal.client.kv_index`.
+`shoal.client.routing.kv_index`.
 
 Protocol, engine side: batches are numbered 1, 2, ... with no gaps, and every attached client
 receives every batch, in order, on its output connection. A batch that would carry more than

@@ -160,7 +160,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0  # >1 discourages prompt and output tokens (HF's rule)
     min_p: float = 0.0  # drops tokens less likely than min_p x the likeliest, after temperature
     # Sequences to return for the prompt. The client fans a request with n > 1 out to n engine
-    # requests (`shoal.client.fan_out`); an engine only ever sees n == 1.
+    # requests (`shoal.client.api.fan_out`); an engine only ever sees n == 1.
     n: int = 1
     # Constrains the output to a JSON schema, regex, choice or grammar, masked on the engine.
     structured_outputs: StructuredOutputsParams | None = None
@@ -214,8 +214,44 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         )
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How to pool one request on a pooling engine (`--runner pooling`); names follow vLLM's
+    `PoolingParams`. The pooling type is the engine's (`--pooler-config`).
+
+    Attributes:
+        use_activation: L2-normalise the pooled vector; None: the engine's `--pooler-config`.
+    """
+
+    use_activation: bool | None = None
+
+
+# The sampling parameters a pooling request carries: one output, when it finishes.
+POOLING_OUTPUT = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A LoRA adapter a request runs with, as vLLM's `LoRARequest` names it.
+
+    Attributes:
+        lora_name: the adapter's served name (the OpenAI `model` that selects it).
+        lora_int_id: a positive id, unique per adapter (kept for vLLM's API; shoal keys an
+            adapter by name and path).
+        lora_path: the PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), on
+            the engines' nodes.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """ADD payload: one tokenized request.
+
+    A request with `pooling_params` is a pooling request: a pooling engine prefills its
+    prompt and answers with the pooled final hidden state (`EngineCoreOutput.pooled`) instead
+    of sampling; `sampling_params` then only carries its output kind. An engine refuses the
+    kind it does not run.
 
     `client_index` is overwritten by the engine with the index bound to the sending
     connection at HELLO, so a client can never route outputs to another client.
@@ -235,6 +271,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # produced (max_tokens, min_tokens, penalties, seeded draws) and emits only the tokens
     # after them.
     resumed_output_token_ids: list[int] = msgspec.field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # set: pool instead of sampling
+    # vLLM's request priority, lower first: orders the waiting queue (and picks whom to
+    # preempt) under `--scheduling-policy priority`; ignored under fcfs.
+    priority: int = 0
+    # The LoRA adapter to run with (an engine started with enable_lora); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -257,6 +299,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error_message: str | None = None  # set with FinishReason.ERROR
     # With a request's first token: seconds it waited in the engine before first scheduled.
     queue_time_s: float | None = None
+    # A pooling request's answer, with its finish: the pooled final hidden state.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -291,6 +335,15 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # tokens (and more than the bound before), the last those over every bound; and the sum.
     iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
     iteration_tokens_sum: int = 0
+    # LoRA (an engine with enable_lora): the adapters in the rank's live slots, least recently
+    # used first; those its running and its waiting requests run with; adapters put in a slot
+    # since the start; its slots (max_loras).
+    lora_live: list[str] = msgspec.field(default_factory=list)
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
+    num_lora_loads_total: int = 0
+    max_loras: int = 0
+    lora_cached: list[str] = msgspec.field(default_factory=list)  # kept in CPU memory
 
 
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -298,7 +351,7 @@ class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
 
     Keys are the 64-bit routing keys of chained block hashes (`shoal.engine.block_hash`).
     Batches are numbered 1, 2, ... per engine incarnation; the protocol (gaps, overflow,
-    snapshots) is described in `shoal.engine.kv_events` and `shoal.client.kv_index`.
+    snapshots) is described in `shoal.engine.kv_events` and `shoal.client.routing.kv_index`.
     """
 
     seq: int
@@ -384,6 +437,10 @@ class EngineFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     attach_serial: int = 0
     # Whether its prefix cache is on: a client indexes the caches of those that have one.
     enable_prefix_caching: bool = True
+    # Its driver worker's device type ("cpu", "cuda"); empty from an engine that predates it.
+    device: str = ""
+    # The engine that schedules and runs the model in this rank: "shoal" or "vllm".
+    engine: str = "shoal"
 
 
 class EngineEndpoint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

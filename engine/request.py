@@ -7,7 +7,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shoal.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from shoal.engine.block_hash import ROOT_BLOCK_HASH, adapter_root_hash
+from shoal.engine.protocol import (
+    EngineCoreRequest,
+    FinishReason,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from shoal.engine.structured_output import RequestGrammar
@@ -55,6 +62,9 @@ class Request:
     A constrained request (`SamplingParams.structured_outputs`) holds its `grammar`, which
     consumes every output token as it is appended (resumed ones included), so its state always
     matches `output_token_ids`; a preemption keeps the output, and so the state.
+
+    A pooling request (`pooling_params`) never samples: the step whose chunk reaches the end of
+    its prompt pools the final hidden states and finishes it.
     """
 
     def __init__(
@@ -67,8 +77,20 @@ class Request:
         arrival_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
         resumed_output_token_ids: Sequence[int] = (),
+        pooling_params: PoolingParams | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params
+        self.priority = priority  # lower first, under `--scheduling-policy priority`
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
+        # The parent hash of its first KV block: adapters' KV never serves the base or another.
+        self.root_block_hash = (
+            ROOT_BLOCK_HASH
+            if lora_request is None
+            else adapter_root_hash(lora_request.lora_name, lora_request.lora_path)
+        )
         self.client_index = client_index
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -102,6 +124,9 @@ class Request:
             arrival_time=request.arrival_time or None,
             eos_token_ids=eos_token_ids,
             resumed_output_token_ids=request.resumed_output_token_ids,
+            pooling_params=request.pooling_params,
+            priority=request.priority,
+            lora_request=request.lora_request,
         )
 
     @property
@@ -129,6 +154,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -60,7 +60,12 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens for the requests whose chunk `samples`, keyed by request id."""
+    """Sampled tokens for the requests whose chunk `samples`, keyed by request id; for a
+    pooling request whose chunk reaches its prompt's end, its pooled vector instead."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    # LoRA adapters (name, path) that could not be loaded this step, and why: their requests
+    # fail (their rows ran with a zeroed slot); the others are unaffected.
+    lora_errors: dict[tuple[str, str], str] = field(default_factory=dict)

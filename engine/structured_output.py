@@ -9,17 +9,23 @@ model's tokenizer once) and gives each constrained `Request` a `RequestGrammar`.
 3. When the scheduler appends the sampled token, the request's grammar consumes it.
 
 The grammar library is llguidance (no dependencies of its own; compiles a tool schema in about
-a millisecond on CPU; `bench/structured.py` has the figures). This module knows nothing of
-the scheduler or the model; it imports no torch.
+a millisecond on CPU; `bench/structured.py` has the figures). Its compiler recurses once per
+link of a chain of rules or `$ref`s and overflows its thread's stack on a long enough chain
+(about 930 nested `$ref` objects or 2,600 chained Lark rules in 8 MiB), which kills the
+process. So grammars compile on one thread of `COMPILE_STACK_BYTES` (64 MiB: eight times the
+depth that the front end's sandbox admits, `shoal.deploy.openai.grammar_sandbox`). This module
+knows nothing of the scheduler or the model; it imports no torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +34,12 @@ from shoal.engine.protocol import StructuredOutputsParams
 
 # Mask bits per word of the bitmask (llguidance's layout: little-endian int32 words).
 BITS_PER_WORD = 32
+
+# The stack of the thread that compiles grammars. Only the pages a compile touches are ever
+# committed; a front end admits only constraints that compile in an eighth of it.
+COMPILE_STACK_BYTES = 64 << 20
+
+T = TypeVar("T")
 
 
 class RequestGrammar:
@@ -73,6 +85,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         # A few threads: masks are small work, and the forward pass they overlap needs the cores.
         self._executor = llguidance.LLExecutor(num_threads=min(4, os.cpu_count() or 1))
+        self._compile_thread = DeepStackThread("shoal-grammar-compile", COMPILE_STACK_BYTES)
 
     def compile(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh grammar state for one request.
@@ -80,39 +93,18 @@ class GrammarCompiler:
         Raises:
             RequestError: the schema, regex or grammar is invalid (the compiler's message).
         """
-        grammar = self.grammar_text(params)
-        matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        grammar = grammar_text(params)
+        matcher = self._compile_thread.run(self._matcher, grammar)
         if matcher.is_error():
             raise RequestError(f"structured_outputs does not compile: {matcher.get_error()}")
         return RequestGrammar(matcher, self)
 
-    def grammar_text(self, params: StructuredOutputsParams) -> str:
-        """llguidance's grammar for `params`.
+    def close(self) -> None:
+        """Ends the compile thread (after the call it runs, if any)."""
+        self._compile_thread.close()
 
-        Raises:
-            RequestError: a JSON schema that is not a JSON object.
-        """
-        matcher_cls = self._llg.LLMatcher
-        if params.json is not None or params.json_object:
-            schema: Any = {"type": "object"} if params.json_object else params.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise RequestError(f"the JSON schema is not valid JSON: {e}") from e
-            if not isinstance(schema, dict):
-                raise RequestError("the JSON schema must be a JSON object")
-            options: Any = {"whitespace_flexible": params.whitespace_flexible}
-            try:
-                return str(matcher_cls.grammar_from_json_schema(schema, defaults=options))
-            except ValueError as e:
-                raise RequestError(f"the JSON schema does not compile: {e}") from e
-        if params.regex is not None:
-            return str(matcher_cls.grammar_from_regex(params.regex))
-        if params.choice is not None:
-            return str(matcher_cls.grammar_from_lark(_choice_lark(params.choice)))
-        assert params.grammar is not None, "StructuredOutputsParams has one kind set"
-        return str(matcher_cls.grammar_from_lark(params.grammar))
+    def _matcher(self, grammar: str) -> Any:
+        return self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
 
     def fill_bitmasks(self, grammars: Sequence[RequestGrammar]) -> np.ndarray:
         """The allowed-token bitmask of each grammar, computed in parallel without the GIL.
@@ -137,6 +129,81 @@ def fill_bitmasks(grammars: Sequence[RequestGrammar]) -> np.ndarray:
     """`GrammarCompiler.fill_bitmasks` of the grammars' own compiler (one per engine)."""
     assert grammars, "no grammar to mask"
     return grammars[0].compiler.fill_bitmasks(grammars)
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for `params` (text only: nothing is compiled yet).
+
+    Raises:
+        RequestError: a JSON schema that is not a JSON object, or one llguidance refuses.
+    """
+    import llguidance
+
+    matcher_cls = llguidance.LLMatcher
+    if params.json is not None or params.json_object:
+        schema: Any = {"type": "object"} if params.json_object else params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise RequestError(f"the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, dict):
+            raise RequestError("the JSON schema must be a JSON object")
+        options: Any = {"whitespace_flexible": params.whitespace_flexible}
+        try:
+            return str(matcher_cls.grammar_from_json_schema(schema, defaults=options))
+        except ValueError as e:
+            raise RequestError(f"the JSON schema does not compile: {e}") from e
+    if params.regex is not None:
+        return str(matcher_cls.grammar_from_regex(params.regex))
+    if params.choice is not None:
+        return str(matcher_cls.grammar_from_lark(_choice_lark(params.choice)))
+    assert params.grammar is not None, "StructuredOutputsParams has one kind set"
+    return str(matcher_cls.grammar_from_lark(params.grammar))
+
+
+class DeepStackThread:
+    """One daemon thread with a stack of its own size, running the calls handed to it in turn.
+
+    Python's `threading.stack_size` is process-wide, so it is set only around this thread's
+    start, under a lock.
+
+    Args:
+        name: the thread's name.
+        stack_bytes: its stack size.
+    """
+
+    _start_lock = threading.Lock()
+
+    def __init__(self, name: str, stack_bytes: int) -> None:
+        # A call and its future; None ends the thread.
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        with DeepStackThread._start_lock:
+            previous = threading.stack_size(stack_bytes)
+            try:
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the thread; blocks until it returns, and raises what it raises."""
+        future: Future[T] = Future()
+        self._calls.put((lambda: fn(*args), future))
+        return future.result()
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, future = item
+            try:
+                future.set_result(call())
+            except BaseException as e:  # handed to the caller, who raises it
+                future.set_exception(e)
 
 
 def _choice_lark(choices: Sequence[str]) -> str:
@@ -170,3 +237,10 @@ class LazyGrammarCompiler:
                     str(tokenizer.backend.to_str()), self._vocab_size, self._eos_token_ids
                 )
             return self._compiler
+
+    def close(self) -> None:
+        """Ends the compiler's thread, if it was built."""
+        with self._lock:
+            if self._compiler is not None:
+                self._compiler.close()
+                self._compiler = None

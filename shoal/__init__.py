@@ -14,10 +14,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shoal.client.async_llm import AsyncLLM
-    from shoal.client.llm import LLM
-    from shoal.client.outputs import CompletionOutput, RequestOutput
-    from shoal.engine.protocol import SamplingParams, StructuredOutputsParams
+    from shoal.client.api.async_llm import AsyncLLM
+    from shoal.client.api.llm import LLM
+    from shoal.client.api.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from shoal.engine.protocol import (
+        LoRARequest,
+        PoolingParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 __version__ = "0.1.0"
 
@@ -25,6 +30,9 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

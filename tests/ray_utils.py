@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -102,18 +103,25 @@ def start_ray_head(
     timeout_s: float = 60.0,
     auth_token: str | None = None,
     system_env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+    port: int | None = None,
+    temp_dir: str | None = None,
 ) -> RayHead:
     """Runs `ray start --head` on 127.0.0.1 with free ports; returns when the head is up.
 
     Args:
         system_env: extra environment for the head's processes (Ray reads its system config
             from `RAY_<name>` variables: how fast the GCS declares a node dead, say).
+        extra_args: more `ray start` flags.
+        port: the GCS port (default: a free one).
+        temp_dir: the head's temp dir, removed with it (default: a new one).
 
     Raises:
         RuntimeError: if the head does not start.
     """
-    temp_dir = tempfile.mkdtemp(prefix="sray-", dir="/tmp")  # short: socket paths are limited
-    port, dashboard_port = free_port(), free_port()
+    # Short: socket paths are limited.
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="sray-", dir="/tmp")
+    port, dashboard_port = port or free_port(), free_port()
     cmd = [
         RAY_BIN, "start", "--head", "--block",
         "--node-ip-address=127.0.0.1",
@@ -127,6 +135,7 @@ def start_ray_head(
         f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
+        *(extra_args or []),
     ]  # fmt: skip
     log = open(Path(temp_dir) / "ray-start.log", "wb")  # noqa: SIM115 - lives as long as the head
     # `--block` keeps `ray start` as the parent of the group; a new session makes the group ours.
@@ -259,3 +268,98 @@ def ray_head() -> Iterator[RayHead]:
         yield head
     finally:
         stop_ray_head(head)
+
+
+# Ray's node provider that runs every node it launches as processes on this machine.
+FAKE_NODE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+# The head node id the fake provider knows its head by.
+FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
+
+
+def autoscaling_config(
+    gcs_address: str,
+    head_cpus: int,
+    worker_types: dict[str, dict[str, Any]],
+    idle_timeout_minutes: float,
+) -> dict[str, Any]:
+    """A Ray autoscaler's cluster config for simulated nodes: Ray's own fake multi-node
+    provider (as `ray.cluster_utils.AutoscalingCluster` uses it), whose nodes are raylets on
+    this machine with the resources their type names (CPU standing in for GPU pods).
+
+    Args:
+        gcs_address: the head's GCS, which the launched nodes join.
+        head_cpus: the head's CPUs.
+        worker_types: node type → {"resources": {...}, "min_workers": n, "max_workers": m}.
+        idle_timeout_minutes: how long a node may be idle before Ray terminates it.
+    """
+    node_types = {
+        name: {"node_config": {}, "min_workers": 0, **spec} for name, spec in worker_types.items()
+    }
+    node_types["ray.head.default"] = {
+        "resources": {"CPU": head_cpus},
+        "node_config": {},
+        "max_workers": 0,
+    }
+    return {
+        "cluster_name": "fake_multinode",
+        "max_workers": sum(spec.get("max_workers", 0) for spec in worker_types.values()),
+        "provider": {
+            "type": "external",
+            "module": FAKE_NODE_PROVIDER,
+            "gcs_address": gcs_address,
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
+        "available_node_types": node_types,
+        "head_node_type": "ray.head.default",
+        "auth": {},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_minutes,
+        "docker": {},
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+    }
+
+
+def start_autoscaling_head(
+    worker_types: dict[str, dict[str, Any]],
+    head_cpus: int = 1,
+    idle_timeout_minutes: float = 0.1,
+    timeout_s: float = 60.0,
+) -> RayHead:
+    """A `ray start --head` node whose Ray autoscaler launches and terminates simulated nodes
+    (`autoscaling_config`) on this machine, checking every second; stop it with
+    `stop_ray_head`, which ends the nodes it launched too (they are its descendants).
+
+    Unlike `ray.cluster_utils.AutoscalingCluster.start`, it never runs `ray stop` (which would
+    end every Ray instance on the machine) and uses free ports and a temp dir of its own.
+    """
+    port = free_port()
+    config = autoscaling_config(f"127.0.0.1:{port}", head_cpus, worker_types, idle_timeout_minutes)
+    temp_dir = tempfile.mkdtemp(prefix="sray-", dir="/tmp")
+    config_file = Path(temp_dir) / "autoscaler.json"
+    config_file.write_text(json.dumps(config))
+    system_env = {
+        "RAY_FAKE_CLUSTER": "1",
+        "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID,
+        "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
+    }
+    return start_ray_head(
+        num_cpus=head_cpus,
+        timeout_s=timeout_s,
+        system_env=system_env,
+        extra_args=[f"--autoscaling-config={config_file}"],
+        port=port,
+        temp_dir=temp_dir,
+    )

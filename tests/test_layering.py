@@ -63,24 +63,64 @@ def test_nothing_imports_a_layer_by_its_bare_name() -> None:
 
 def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "upward.py"
-    module.write_text("from shoal.client.llm import LLM\nimport ray.util\n")
+    module.write_text("from shoal.client.api.llm import LLM\nimport ray.util\n")
     assert _imported(module) & FORBIDDEN["engine"] == {"shoal.client", "ray"}
 
 
 def test_client_transport_needs_no_ray() -> None:
-    """MPClient and its async/sync variants must work without Ray (architecture, client/)."""
-    for name in (
-        "core_client.py",
-        "mp_client.py",
-        "async_mp_client.py",
-        "sync_mp_client.py",
-        "dp_client.py",
-        "engine_set.py",
-        "attach.py",
-        "sockets.py",
-        "output_dispatch.py",
-    ):
-        assert "ray" not in _imported(ROOT / "client" / name), f"client/{name} imports ray"
+    """The MP clients work without Ray (architecture, client/): all of `transport/`, and all of
+    `routing/` but the cluster link."""
+    modules = _modules("client/transport") + _modules("client/routing")
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in modules
+        if path.name != "cluster_link.py" and "ray" in _imported(path)
+    ]
+    assert len(modules) > 10 and not offenders, offenders
+
+
+# Inside client/: each part imports only the parts before it (client/__init__.py).
+CLIENT_PARTS = ("transport", "routing", "api")
+
+
+def _client_part(dotted: str) -> str | None:
+    """`shoal.client.x.y` -> the part of client/ that holds it; None for the package itself."""
+    parts = dotted.split(".")
+    if parts[:2] != ["shoal", "client"] or len(parts) < 3 or parts[2] not in CLIENT_PARTS:
+        return None
+    return parts[2]
+
+
+def _client_offenders(root: Path) -> list[str]:
+    offenders = []
+    for part in CLIENT_PARTS:
+        allowed = set(CLIENT_PARTS[: CLIENT_PARTS.index(part) + 1])
+        for path in sorted((root / part).rglob("*.py")):
+            for name in sorted(_all_imports(path, "shoal.client")):
+                other = _client_part(name)
+                if other is None:  # the package's own names load every part
+                    offenders.append(f"{path.relative_to(root)} imports {name} (the package)")
+                elif other not in allowed:
+                    offenders.append(f"{path.relative_to(root)} ({part}) imports {name} ({other})")
+    return offenders
+
+
+def test_client_parts_import_only_earlier_parts() -> None:
+    assert not _client_offenders(ROOT / "client")
+
+
+def test_the_client_rule_catches_transport_importing_routing(tmp_path: Path) -> None:
+    for part in CLIENT_PARTS:
+        (tmp_path / part).mkdir()
+    (tmp_path / "transport" / "x.py").write_text(
+        "def f():\n    from shoal.client.routing.router import RequestRouter\n"
+    )
+    (tmp_path / "routing" / "y.py").write_text("from shoal.client.transport import x\n")
+    (tmp_path / "api" / "z.py").write_text("from shoal.client import LLM\n")
+    assert _client_offenders(tmp_path) == [
+        "transport/x.py (transport) imports shoal.client.routing.router (routing)",
+        "api/z.py imports shoal.client.LLM (the package)",
+    ]
 
 
 # Inside engine/: each part imports only the parts before it (engine/__init__.py).
@@ -98,19 +138,20 @@ def _engine_part(dotted: str) -> str | None:
     return "shared"
 
 
-def _engine_imports(path: Path) -> set[str]:
-    """Every `shoal.engine...` module a file imports, local imports included."""
+def _all_imports(path: Path, package: str) -> set[str]:
+    """Every module of `package` a file imports, local imports included; `from package import
+    name` counts `package.name`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "shoal.engine":
-                names.update(f"shoal.engine.{alias.name}" for alias in node.names)
+            if node.module == package:
+                names.update(f"{package}.{alias.name}" for alias in node.names)
             else:
                 names.add(node.module)
-    return {name for name in names if name.startswith("shoal.engine")}
+    return {name for name in names if name.startswith(package)}
 
 
 def _engine_offenders(root: Path) -> list[str]:
@@ -120,7 +161,7 @@ def _engine_offenders(root: Path) -> list[str]:
         own = _engine_part(dotted)
         assert own is not None
         allowed = set(ENGINE_PARTS[: ENGINE_PARTS.index(own) + 1])
-        for name in sorted(_engine_imports(path)):
+        for name in sorted(_all_imports(path, "shoal.engine")):
             part = _engine_part(name)
             if part is not None and part not in allowed:
                 offenders.append(f"{path.relative_to(root)} ({own}) imports {name} ({part})")

@@ -63,3 +63,28 @@ def decoder_reduction_length(
     the relative error: the lengths add.)"""
     per_layer = 3 * hidden + head_dim + context + 2 * hidden + intermediate
     return num_layers * per_layer + 2 * hidden
+
+
+def activation_rounding_bound(
+    x: torch.Tensor, weight: torch.Tensor, *, block: int = 32, levels: int
+) -> torch.Tensor:
+    """How far x @ weight.T can move, per element, when each row of x is first rounded to
+    integer steps a block at a time, as the integer path of the GGUF-block kernel does: a block
+    of `block` values takes the step d = max|x over the block| / levels and each value becomes
+    d * round(x / d), so it moves by at most d / 2, and output n by at most
+    sum_k |w[n, k]| * d(k) / 2. The kernel computes d and x / d in float32; those two
+    roundings stretch the half step by under 4 float32 units, covered by the 1e-4 below.
+
+    Args:
+        x: [M, K], K a multiple of `block`.
+        weight: [N, K].
+        block: values sharing one step.
+        levels: steps each side of zero (127 for int8, 32767 for int16).
+
+    Returns:
+        float64 [M, N]: the bound, to add to the reordering tolerance of the sums.
+    """
+    rows, length = x.shape
+    blocks = x.double().abs().reshape(rows, length // block, block)
+    half_step = blocks.amax(-1) / (2 * levels) * (1 + 1e-4)
+    return half_step.repeat_interleave(block, dim=1) @ weight.double().abs().T

@@ -4,10 +4,12 @@ The prompt is the template's text, tokenized without added special tokens (the t
 writes them), as `LLM.chat` does; it renders `tools` and `chat_template_kwargs` too. Streams
 open each choice with an assistant-role delta, carry content (or tool-call) deltas, and close
 it with its finish reason. Tool calls are read from the output as `tools.py` describes.
+`--chat-template` replaces the tokenizer's template (`load_chat_template`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +17,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shoal.client.prompts import chat_prompt
+from shoal.client.api.prompts import TokenizedPrompt, chat_prompt
+from shoal.deploy.openai.admission_gate import Caller
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.deploy.openai.protocol import (
     ChatChoice,
@@ -29,7 +32,7 @@ from shoal.deploy.openai.protocol import (
     DeltaMessage,
 )
 from shoal.deploy.openai.sampling import chat_logprobs, sampling_params
-from shoal.deploy.openai.serving import SSE_DONE, Generation, sse, sse_error, usage_of
+from shoal.deploy.openai.serving import SSE_DONE, Generation, admit, sse, sse_error, usage_of
 from shoal.deploy.openai.state import ServerState
 from shoal.deploy.openai.tools import (
     ToolCallStreamer,
@@ -38,7 +41,36 @@ from shoal.deploy.openai.tools import (
     parse_tool_calls,
     tool_mode,
 )
+from shoal.engine.protocol import SamplingParams
 from shoal.engine.tokenizer import Tokenizer
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a Jinja template.
+
+    Raises:
+        ValueError: neither a readable file nor a template, or a template that does not parse.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --chat-template {value}: {e.strerror}") from e
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from e
+    return template
 
 
 def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -72,8 +104,8 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     variables: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The prompt dict of a conversation (`variables`: `template_variables`).
+) -> TokenizedPrompt:
+    """The prompt of a conversation (`variables`: `template_variables`).
 
     Raises:
         OpenAIError: no chat template, or the template refused the conversation (400).
@@ -94,7 +126,7 @@ async def render_chat_off_loop(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     variables: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> TokenizedPrompt:
     """`render_chat` on the tokenizer pool, after the cheap bound on the messages' length.
 
     Raises:
@@ -113,10 +145,21 @@ async def render_chat_off_loop(
     )
 
 
-async def create_chat_completion(
-    state: ServerState, request: ChatCompletionRequest, session_id: str | None = None
-) -> JSONResponse | StreamingResponse:
-    state.check_model(request.model)
+async def start_chat(
+    state: ServerState,
+    request: ChatCompletionRequest,
+    session_id: str | None,
+    caller: Caller,
+) -> tuple[Generation, ToolMode, SamplingParams]:
+    """A chat request's generation, admitted by its caller's tenant and started (its first
+    output in), how its output turns into tool calls, and its sampling parameters: what
+    `/v1/chat/completions` and `/v1/responses` both serve from.
+
+    Raises:
+        OpenAIError: a bad request (400), another model (404), the tenant's queue full (429),
+            no serving rank or the front end's queues full (503).
+    """
+    lora = state.check_model(request.model)
     state.limits.check_request(request)
     max_tokens = (
         request.max_completion_tokens
@@ -130,11 +173,20 @@ async def create_chat_completion(
         max_logprobs=state.max_logprobs,
         defaults=state.sampling_defaults,
     )
+    await state.grammar_sandbox.check(params.structured_outputs)
     prompt = await render_chat_off_loop(
         state, request.messages, request.add_generation_prompt, template_variables(request)
     )
-    generation = await Generation.create(state, prompt, params, session_id)
+    generation = Generation(state, prompt, params, session_id, request.priority, lora)
+    await admit(state, caller, [generation], params, request.priority)
     await generation.start()
+    return generation, mode, params
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, session_id: str | None, caller: Caller
+) -> JSONResponse | StreamingResponse:
+    generation, mode, params = await start_chat(state, request, session_id, caller)
     num_top = (request.top_logprobs or 0) if request.logprobs else -1
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)

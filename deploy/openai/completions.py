@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shoal.client.prompts import PromptType
+from shoal.deploy.openai.admission_gate import Caller
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.deploy.openai.protocol import (
     CompletionChoice,
@@ -24,6 +24,7 @@ from shoal.deploy.openai.sampling import completion_logprobs, sampling_params
 from shoal.deploy.openai.serving import (
     SSE_DONE,
     Generation,
+    admit,
     merged_deltas,
     sse,
     sse_error,
@@ -36,7 +37,7 @@ from shoal.deploy.openai.state import ServerState
 MAX_PROMPTS = 1024
 
 
-def _prompts(request: CompletionRequest) -> list[PromptType]:
+def _prompts(request: CompletionRequest) -> list[str | list[int]]:
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -54,19 +55,23 @@ def _prompts(request: CompletionRequest) -> list[PromptType]:
 
 
 async def create_completion(
-    state: ServerState, request: CompletionRequest, session_id: str | None = None
+    state: ServerState, request: CompletionRequest, session_id: str | None, caller: Caller
 ) -> JSONResponse | StreamingResponse:
-    state.check_model(request.model)
-    state.limits.check_request(request)
+    lora = state.check_model(request.model)
+    prompts = _prompts(request)
+    state.limits.check_request(request, len(prompts))
     params = sampling_params(
         request,
         max_tokens=request.max_tokens,
         max_logprobs=state.max_logprobs,
         defaults=state.sampling_defaults,
     )
+    await state.grammar_sandbox.check(params.structured_outputs)
     generations = [
-        await Generation.create(state, prompt, params, session_id) for prompt in _prompts(request)
+        await Generation.create(state, prompt, params, session_id, request.priority, lora)
+        for prompt in prompts
     ]
+    await admit(state, caller, generations, params, request.priority)
     await start_all(generations)
     num_top = request.logprobs if request.logprobs is not None else -1
     if request.stream:

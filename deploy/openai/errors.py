@@ -1,8 +1,10 @@
 """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, and the status rules.
 
 A client's mistake is a 400 (bad parameter, prompt over the limit), 401 (key), or 404 (model);
-a resize asked for while another runs is a 409; no serving rank, or a resize rolled back, is a
-503. Only a fault of the server itself is a 500. `install_handlers` maps
+a request that may be what crashed an engine (`PoisonRequestError`) is a 400 too;
+a resize asked for while another runs is a 409; a tenant whose queue is full gets a 429 (with
+`Retry-After`); no serving rank, a resize rolled back, or a front end whose waiting room is full
+(`Retry-After` too) is a 503. Only a fault of the server itself is a 500. `install_handlers` maps
 the exceptions the endpoints raise (and FastAPI's validation errors) onto these bodies.
 """
 
@@ -16,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shoal.client.routing.migration import PoisonRequestError
 from shoal.engine.errors import EngineDeadError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,7 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -39,6 +43,7 @@ class OpenAIError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 429's or 503's `Retry-After`
 
 
 def _default_type(status: HTTPStatus) -> str:
@@ -48,6 +53,8 @@ def _default_type(status: HTTPStatus) -> str:
         return "NotFoundError"
     if status == HTTPStatus.CONFLICT:
         return "ConflictError"
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        return "RateLimitError"
     if status >= 500:
         return "ServiceUnavailableError" if status == 503 else "InternalServerError"
     return "BadRequestError"
@@ -65,7 +72,7 @@ def error_body(error: OpenAIError) -> dict[str, dict[str, str | int | None]]:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=int(error.status))
+    return JSONResponse(error_body(error), status_code=int(error.status), headers=error.headers)
 
 
 def from_exception(e: BaseException) -> OpenAIError:
@@ -74,6 +81,8 @@ def from_exception(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, (RequestError, ValueError)):
         return OpenAIError(str(e))
+    if isinstance(e, PoisonRequestError):  # it may crash engines: the request is at fault
+        return OpenAIError(str(e), code="poison_request")
     if isinstance(e, EngineDeadError):
         return OpenAIError(f"no engine rank serves: {e}", HTTPStatus.SERVICE_UNAVAILABLE)
     logger.exception("internal error", exc_info=e)

@@ -16,6 +16,9 @@ from shoal.deploy.openai.protocol import ChatCompletionRequest, CompletionReques
 
 # OpenAI's own cap on `n`.
 DEFAULT_MAX_N = 128
+# Sequences (prompts x n) one request may start: a full batch of 1,024 prompts at n=1, or
+# n=128 for 8 prompts; about four engine batches (`--max-num-seqs` 256) on a rank.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 1024
 # Enough for a long context of text even with JSON's \uXXXX escapes, far below what hurts.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 # A request's head and body must both arrive within this long of the connection (or of the
@@ -36,6 +39,7 @@ class FrontEndLimits:
     """The bounds of one front end (`shoal serve --port`, `shoal api-server`)."""
 
     max_n: int = DEFAULT_MAX_N
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     http_read_timeout_s: float = DEFAULT_HTTP_READ_TIMEOUT_S
     timeout_keep_alive_s: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
@@ -46,6 +50,11 @@ class FrontEndLimits:
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"--max-n must be at least 1, got {self.max_n}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(
+                "--max-sequences-per-request must be at least 1, got "
+                f"{self.max_sequences_per_request}"
+            )
         if self.max_request_body_bytes < 1024:
             raise ValueError("--max-request-body-bytes must be at least 1024")
         if self.http_read_timeout_s <= 0 or self.timeout_keep_alive_s <= 0:
@@ -55,11 +64,18 @@ class FrontEndLimits:
         if self.max_data_parallel_size is not None and self.max_data_parallel_size < 1:
             raise ValueError("--max-data-parallel-size must be at least 1")
 
-    def check_request(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+    def check_request(
+        self, request: CompletionRequest | ChatCompletionRequest, num_prompts: int = 1
+    ) -> None:
         """Refuses a generation request past a bound, before any work on it.
 
+        Args:
+            num_prompts: the prompts it batches (a completion may give a list).
+
         Raises:
-            OpenAIError: `n`, `best_of`, or the stop conditions over their limits (400).
+            OpenAIError: `n`, `best_of`, the sequences it would start (prompts x n x best_of,
+                where best_of can only equal n), or the stop conditions over their limits
+                (400).
         """
         for name in ("n", "best_of"):
             value = getattr(request, name)
@@ -68,6 +84,8 @@ class FrontEndLimits:
                     f"{name}={value} exceeds this server's limit of {self.max_n} (--max-n)",
                     param=name,
                 )
+        num_sequences = num_prompts * max(request.n or 1, request.best_of or 1)
+        self.check_num_sequences(num_sequences, f"{num_prompts} prompts x n={request.n or 1}")
         stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise OpenAIError(f"stop has more than {MAX_STOP_STRINGS} strings", param="stop")
@@ -80,14 +98,35 @@ class FrontEndLimits:
                 f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids"
             )
 
+    def check_num_sequences(self, num_sequences: int, what: str, param: str = "n") -> None:
+        """Refuses a request that would start more than `max_sequences_per_request`.
 
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
+        Raises:
+            OpenAIError: past the bound (400), naming `what` the sequences are.
+        """
+        if num_sequences > self.max_sequences_per_request:
+            raise OpenAIError(
+                f"this request would start {num_sequences} sequences ({what}), more than this "
+                f"server's limit of {self.max_sequences_per_request} "
+                "(--max-sequences-per-request)",
+                param=param,
+            )
+
+
+def add_limit_args(parser: argparse._ActionsContainer) -> None:
     """The flags of `FrontEndLimits`."""
     parser.add_argument(
         "--max-n",
         type=int,
         default=DEFAULT_MAX_N,
         help=f"most sequences (`n`) one request may ask for (default {DEFAULT_MAX_N})",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="most sequences one request may start, its prompts times n; more is refused "
+        f"with 400 before anything is queued (default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
     )
     parser.add_argument(
         "--max-request-body-bytes",
@@ -121,17 +160,27 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "--max-data-parallel-size",
         type=int,
         default=None,
-        help="the most ranks POST /scale_elastic_ep may ask for; up to it a resize may wait "
-        "for nodes an autoscaler adds (default: only what the Ray cluster's nodes hold now)",
+        help="the most ranks POST /scale_elastic_ep (and `shoal serve --autoscale`) may ask for; "
+        "up to it a resize may wait for nodes an autoscaler adds (default: only what the Ray "
+        "cluster's nodes hold now)",
     )
 
 
 def limits_from_args(args: argparse.Namespace) -> FrontEndLimits:
     return FrontEndLimits(
         max_n=args.max_n,
+        max_sequences_per_request=args.max_sequences_per_request,
         max_request_body_bytes=args.max_request_body_bytes,
         http_read_timeout_s=args.http_read_timeout,
         timeout_keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
         max_data_parallel_size=args.max_data_parallel_size,
     )
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {number}")
+    return number

@@ -64,6 +64,10 @@ class _LenientBody(BaseModel):
         return kept
 
 
+# The base of bodies defined beside their endpoints (`embeddings`, `responses`).
+LenientBody = _LenientBody
+
+
 class StreamOptions(_LenientBody):
     include_usage: bool = False
 
@@ -117,6 +121,9 @@ class _SamplingFields(_LenientBody):
     # The caller's end-user id; it keeps the user's requests on one rank (session affinity)
     # unless an X-Session-ID header names another session.
     user: str | None = None
+    # vLLM's request priority, lower first: orders its tenant's admission queue, and the
+    # engines' waiting requests under `--scheduling-policy priority`.
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # Accepted with their neutral values only (clients send them by default).
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -342,6 +349,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "shoal"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

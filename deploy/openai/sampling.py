@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.client.outputs import CompletionOutput, Logprob
+from shoal.client.api.outputs import CompletionOutput, Logprob
 from shoal.deploy.openai.errors import OpenAIError
 from shoal.deploy.openai.protocol import (
     ChatCompletionRequest,

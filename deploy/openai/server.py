@@ -8,13 +8,11 @@ sees, and then follows the namespace (`follow`): when the cluster stops it answe
 the next one serves, or exits with `--exit-with-cluster`. `shoal serve --port P` runs the same
 front end in a thread of the serving process (`FrontEndThread`), which ends with its cluster.
 
-The API key comes from `--api-key-file` (a file only its owner reads, e.g. a mounted
-Kubernetes Secret: the way to keep it out of `ps`, the Ray job's entrypoint and its log), else
-`--api-key` (works, with a warning: it is that visible), else the `SHOAL_API_KEY` environment
-variable. The resize endpoints take the admin key, found the
-same way (`--admin-api-key-file`, `--admin-api-key`, `SHOAL_ADMIN_API_KEY`), by default the
-API key. No key is ever written to a log. Connections and requests are bounded by `limits`
-and `connections`.
+The API keys come from `--api-key-file` (one, or one per tenant: `tenants`; a file only its
+owner reads, e.g. a mounted Kubernetes Secret), else `--api-key` (with a warning: it is
+visible in `ps`, the Ray job's entrypoint and its log), else `SHOAL_API_KEY`; the admin key
+(resizes, LoRA loads) likewise: `--admin-api-key-file`, `--admin-api-key`, `SHOAL_ADMIN_API_KEY`,
+else the API key. No key is logged. Requests are bounded by `limits` and `connections`.
 """
 
 from __future__ import annotations
@@ -35,20 +33,30 @@ from types import FrameType
 import uvicorn
 
 from shoal.actors.registry import RegistryHandle
-from shoal.client.async_llm import AsyncLLM
-from shoal.client.lb_policy import ROUTING_POLICIES
-from shoal.client.migration import DEFAULT_MIGRATION_LIMIT
+from shoal.client.api.async_llm import AsyncLLM
+from shoal.client.routing.lb_policy import ROUTING_POLICIES
+from shoal.client.routing.migration import DEFAULT_MIGRATION_LIMIT
 from shoal.cluster.launch import attach
+from shoal.deploy.openai import admission_gate
 from shoal.deploy.openai.app import build_app
+from shoal.deploy.openai.chat import load_chat_template
 from shoal.deploy.openai.connections import connection_cap, guarded_protocol, quiet_loop_errors
 from shoal.deploy.openai.follow import WAIT_LOG_S, ClusterFollower, wait_until_served
 from shoal.deploy.openai.generation_config import load_generation_defaults
-from shoal.deploy.openai.limits import FrontEndLimits, add_limit_args, limits_from_args
+from shoal.deploy.openai.limits import (
+    FrontEndLimits,
+    add_limit_args,
+    limits_from_args,
+    non_negative_int,
+)
+from shoal.deploy.openai.lora import LoRAModule, add_lora_args, serve_lora_modules
 from shoal.deploy.openai.state import ServerState
+from shoal.deploy.openai.tenants import TenantTable, load_tenants
 from shoal.deploy.openai.tools import ToolCallConfig, add_tool_args, tool_config_from_args
 from shoal.deploy.preflight import bind_http_port, check_not_negative
 from shoal.deploy.ray_connection import add_ray_args, connect_ray
 from shoal.engine.core.connection_gate import raise_open_file_limit
+from shoal.engine.loader.hub import local_model_path
 
 logger = logging.getLogger("shoal.api_server")
 
@@ -82,8 +90,8 @@ class FrontEndConfig:
     admin_api_key: str | None = field(default=None, repr=False)  # default: api_key
     limits: FrontEndLimits = field(default_factory=FrontEndLimits)
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
-    routing_policy: str = "cache-aware"  # `shoal.client.lb_policy.make_policy`
-    # How often a request may move off a failed rank (`shoal.client.migration`).
+    routing_policy: str = "cache-aware"  # `shoal.client.routing.lb_policy.make_policy`
+    # How often a request may move off a failed rank (`shoal.client.routing.migration`).
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     chat_template: str | None = None  # overrides the tokenizer's (`load_chat_template`)
     uvicorn_log_level: str = "warning"
@@ -92,46 +100,73 @@ class FrontEndConfig:
     # Follow the namespace (`follow`): attach to the next cluster served there after this one.
     follow_cluster: bool = False
     exit_with_cluster: bool = False  # following: exit when the cluster is gone instead
+    tenants: TenantTable | None = field(default=None, repr=False)  # None: `api_key` alone
+    admission: admission_gate.AdmissionConfig = field(
+        default_factory=admission_gate.AdmissionConfig
+    )
+    lora_modules: tuple[LoRAModule, ...] = ()  # `--lora-modules`: served from the start
 
 
 def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) -> None:
-    """--host, --port, --api-key, --served-model-name: vLLM's names."""
-    parser.add_argument(
+    """The front end's flags, in groups: where it listens, its keys (one per tenant), what it
+    serves, how it routes, then its limits, tenant admission and tool calls. vLLM's names."""
+    _add_listen_args(parser.add_argument_group("HTTP front end"), port_default)
+    _add_key_args(parser.add_argument_group("API keys"))
+    _add_serving_args(group := parser.add_argument_group("what the front end serves"))
+    add_lora_args(group)
+    _add_routing_args(parser.add_argument_group("routing"))
+    add_limit_args(parser.add_argument_group("request and connection limits"))
+    admission_gate.add_admission_args(parser.add_argument_group("admission by tenant"))
+    add_tool_args(parser.add_argument_group("tool calls"))
+
+
+def _add_listen_args(group: argparse._ArgumentGroup, port_default: int | None) -> None:
+    """--host, --port."""
+    group.add_argument(
         "--host", default="0.0.0.0", help="HTTP bind address of the OpenAI API (default: all)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--port",
         type=int,
         default=port_default,
         help="HTTP port of the OpenAI API"
         + (f" (default {port_default})" if port_default else " (default: no HTTP front end)"),
     )
-    parser.add_argument(
+
+
+def _add_key_args(group: argparse._ArgumentGroup) -> None:
+    """--api-key(-file), --admin-api-key(-file)."""
+    group.add_argument(
         "--api-key-file",
         default=None,
         metavar="PATH",
         help="require `Authorization: Bearer KEY` on /v1/* and /tokenize, KEY read from PATH "
-        "(kept out of `ps` and the job's log, unlike --api-key)",
+        "(kept out of `ps` and the job's log, unlike --api-key); one key, or one tenant per "
+        "line: `NAME KEY [weight=W] [max_concurrency=N] [max_queued=N]`",
     )
-    parser.add_argument(
+    group.add_argument(
         "--api-key",
         default=None,
         help=f"the API key itself (visible in `ps`: prefer --api-key-file; default: "
         f"${API_KEY_ENV}, if set)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--admin-api-key-file",
         default=None,
         metavar="PATH",
-        help="the key of the resize endpoints, read from PATH (default: the API key)",
+        help="the key of the resize endpoints, read from PATH (default: the one API key)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--admin-api-key",
         default=None,
         help=f"the admin key itself (visible in `ps`; default: ${ADMIN_API_KEY_ENV}, else the "
         "API key)",
     )
-    parser.add_argument(
+
+
+def _add_serving_args(group: argparse._ArgumentGroup) -> None:
+    """--served-model-name, --chat-template, --generation-config, --uvicorn-log-level."""
+    group.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -139,52 +174,60 @@ def add_http_args(parser: argparse.ArgumentParser, *, port_default: int | None) 
         help="the names the API answers to; the first is the one it reports (default: the "
         "model path)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template, or a file holding one, used instead of the tokenizer's "
         "(default: the tokenizer's)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--generation-config",
         default="vllm",
         metavar="{vllm,auto,FOLDER}",
         help="sampling defaults for what a request leaves unset: vllm: none (default); auto: "
         "the model's generation_config.json; FOLDER: the generation_config.json in FOLDER",
     )
-    parser.add_argument(
+    group.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="the HTTP server's log level (default: warning)",
     )
-    parser.add_argument(
+
+
+def _add_routing_args(group: argparse._ArgumentGroup) -> None:
+    """--routing-policy, --migration-limit."""
+    group.add_argument(
         "--routing-policy",
         choices=ROUTING_POLICIES,
         default="cache-aware",
         help="how the front end picks a rank: cache-aware (default: the uncached prefill plus "
         "the rank's load, cheapest wins), least-loaded, or round-robin",
     )
-    parser.add_argument(
+    group.add_argument(
         "--migration-limit",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=DEFAULT_MIGRATION_LIMIT,
         metavar="N",
         help="how often one request may move to another rank when its rank dies or hangs, "
         "continuing from the tokens already generated; past it, or with 0, the request "
         f"fails (default {DEFAULT_MIGRATION_LIMIT})",
     )
-    add_limit_args(parser)
-    add_tool_args(parser)
 
 
 def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
-    """Raises ValueError: a key file that cannot be read or is empty; a bad limit."""
+    """Raises ValueError: a key file that cannot be read, is empty or bad; a bad limit."""
+    if args.api_key_file is not None:
+        tenants = load_tenants(args.api_key_file)
+    else:
+        tenants = TenantTable.single(_key(None, args.api_key, "--api-key", API_KEY_ENV))
     return FrontEndConfig(
         namespace=args.namespace,
         host=args.host,
         port=port,
-        api_key=_key(args.api_key_file, args.api_key, "--api-key", API_KEY_ENV),
+        api_key=tenants.only_key,
+        tenants=tenants,
+        admission=admission_gate.admission_config_from_args(args),
         served_model_names=tuple(args.served_model_name or ()),
         data_parallel_address=args.data_parallel_address,
         admin_api_key=_key(
@@ -197,42 +240,8 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
         chat_template=load_chat_template(args.chat_template),
         uvicorn_log_level=args.uvicorn_log_level,
         generation_config=args.generation_config,
+        lora_modules=tuple(args.lora_modules or ()),
     )
-
-
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {number}")
-    return number
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file's contents, or the value itself when it is a Jinja template.
-
-    Raises:
-        ValueError: neither a readable file nor a template, or a template that does not parse.
-    """
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        try:
-            with open(value, encoding="utf-8") as f:
-                template = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read --chat-template {value}: {e.strerror}") from e
-    elif "{{" in value or "{%" in value:
-        template = value
-    else:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        ImmutableSandboxedEnvironment().parse(template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template does not parse: {e.message} (line {e.lineno})") from e
-    return template
 
 
 def _key(path: str | None, given: str | None, flag: str, env: str) -> str | None:
@@ -280,44 +289,16 @@ async def serve_front_end(
         admin_api_key=config.admin_api_key or config.api_key,
         limits=config.limits,
         tool_calls=config.tool_calls,
+        tenants=config.tenants,
+        admission_config=config.admission,
     )
     _bind(state, config, llm, registry)
     try:
-        limits = config.limits
         raise_open_file_limit()
         quiet_loop_errors(asyncio.get_running_loop())
-        uv_config = uvicorn.Config(
-            build_app(state),
-            host=config.host,
-            port=config.port,
-            http=guarded_protocol(
-                connection_cap(limits.max_connections), limits.http_read_timeout_s
-            ),
-            timeout_keep_alive=limits.timeout_keep_alive_s,  # type: ignore[arg-type]
-            log_level=config.uvicorn_log_level,
-            access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-        server = uvicorn.Server(uv_config)
+        server = uvicorn.Server(_uvicorn_config(config, state))
         watcher = asyncio.create_task(_exit_when_set(server, should_exit))
-        follower = None
-        if config.follow_cluster:
-
-            async def attach_again() -> None:
-                _bind(state, config, *await _connect(config, time.monotonic() + _REATTACH_S))
-
-            def exit_server() -> None:
-                server.should_exit = True
-
-            follower = asyncio.create_task(
-                ClusterFollower(
-                    state,
-                    config.namespace,
-                    attach_again,
-                    exit_with_cluster=config.exit_with_cluster,
-                    exit=exit_server,
-                ).run()
-            )
+        follower = _follow(config, state, server) if config.follow_cluster else None
         logger.info(
             "OpenAI API of %s at http://%s:%d/v1 (namespace %s)",
             state.model_name,
@@ -333,9 +314,47 @@ async def serve_front_end(
                 follower.cancel()
                 await asyncio.gather(follower, return_exceptions=True)
             state.shutdown_pool()
+            await state.grammar_sandbox.aclose()
     finally:
         if state.current_llm is not None:
             await state.current_llm.aclose()
+
+
+def _uvicorn_config(config: FrontEndConfig, state: ServerState) -> uvicorn.Config:
+    """uvicorn serving the app, its connections bounded (`connections`)."""
+    limits = config.limits
+    return uvicorn.Config(
+        build_app(state),
+        host=config.host,
+        port=config.port,
+        http=guarded_protocol(connection_cap(limits.max_connections), limits.http_read_timeout_s),
+        timeout_keep_alive=limits.timeout_keep_alive_s,  # type: ignore[arg-type]
+        log_level=config.uvicorn_log_level,
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+
+
+def _follow(
+    config: FrontEndConfig, state: ServerState, server: uvicorn.Server
+) -> asyncio.Task[None]:
+    """Follows the namespace (`follow`): attaches to the next cluster served there, or (with
+    `exit_with_cluster`) stops the server once this one is gone."""
+
+    async def attach_again() -> None:
+        _bind(state, config, *await _connect(config, time.monotonic() + _REATTACH_S))
+
+    def exit_server() -> None:
+        server.should_exit = True
+
+    follower = ClusterFollower(
+        state,
+        config.namespace,
+        attach_again,
+        exit_with_cluster=config.exit_with_cluster,
+        exit=exit_server,
+    )
+    return asyncio.create_task(follower.run())
 
 
 async def _connect(config: FrontEndConfig, deadline: float) -> tuple[AsyncLLM, RegistryHandle]:
@@ -372,9 +391,12 @@ def _bind(
     if config.chat_template is not None:
         llm.tokenizer.chat_template = config.chat_template
     state.served_model_names = names
-    state.sampling_defaults = load_generation_defaults(
-        config.generation_config, llm.config.model.model
-    )
+    state.loras = serve_lora_modules(config.lora_modules, llm.config.lora, names)
+    model = llm.config.model
+    # `auto` reads the checkpoint's folder: a Hub id's snapshot (found again, as the tokenizer
+    # was read from it).
+    path = local_model_path(model) if config.generation_config == "auto" else model.model
+    state.sampling_defaults = load_generation_defaults(config.generation_config, path)
     if state.sampling_defaults:
         logger.info("request defaults from generation_config.json: %s", state.sampling_defaults)
     state.bind_cluster(llm, registry, names[0])

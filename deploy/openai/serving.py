@@ -1,8 +1,13 @@
 """One prompt's generation as the endpoints drive it: started, streamed as deltas, accumulated.
 
+An endpoint hands a `Generation` its prompt in the one form the client takes
+(`TokenizedPrompt`: tokenized off the event loop, or rendered and tokenized with the chat
+template), and the prompt's length is checked there, once, before the request is made: a
+prompt and `max_tokens` past the context are a 400. A request's generations are then admitted
+together (`admit`: its tenant's fair share, or its queue) before any is sent to a rank.
 `Generation.start` waits for the first output before any response header is sent, so a
-request the engine rejects (prompt over the limit, invalid token ids) is a 400 and a cluster
-with no serving rank a 503, never a broken 200 stream. Every sequence that finishes is counted
+request the engine rejects (invalid token ids, say) is a 400 and a cluster with no serving
+rank a 503, never a broken 200 stream. Every sequence that finishes is counted
 in the front end's metrics. Closing a generation (the client went away) aborts its engine
 requests.
 """
@@ -19,12 +24,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from shoal.client.outputs import CompletionOutput, Logprob, RequestOutput
-from shoal.client.prompts import PromptType, tokenize_prompt
+from shoal.client.api.outputs import CompletionOutput, Logprob, RequestOutput
+from shoal.client.api.prompts import TokenizedPrompt, tokenize_prompt
+from shoal.deploy.openai.admission import work_of
+from shoal.deploy.openai.admission_gate import Caller, Ticket
 from shoal.deploy.openai.errors import OpenAIError, error_body, from_exception
 from shoal.deploy.openai.protocol import UsageInfo
 from shoal.deploy.openai.state import ServerState
-from shoal.engine.protocol import SamplingParams
+from shoal.engine.protocol import LoRARequest, SamplingParams
 
 
 @dataclass
@@ -54,45 +61,56 @@ class Generation:
     def __init__(
         self,
         state: ServerState,
-        text: str | None,
-        token_ids: list[int],
+        prompt: TokenizedPrompt,
         params: SamplingParams,
         session_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Raises OpenAIError: the prompt and `max_tokens` exceed the context (400)."""
-        _check_length(len(token_ids), params.max_tokens, state.max_model_len)
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        self._stream = state.llm.generate(prompt, params, uuid.uuid4().hex, session_id=session_id)
+        _check_length(len(prompt.token_ids), params.max_tokens, state.max_model_len)
+        self._stream = state.llm.generate(
+            prompt,
+            params,
+            uuid.uuid4().hex,
+            session_id=session_id,
+            priority=priority,
+            lora_request=lora_request,
+        )
         self._metrics = state.metrics
         self.choices = [ChoiceState() for _ in range(params.n)]
+        self.num_prompt_ids = len(prompt.token_ids)
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self._first: RequestOutput | None = None
+        self.ticket: Ticket | None = None  # its admission, which counts the tokens served
 
     @classmethod
     async def create(
         cls,
         state: ServerState,
-        prompt: PromptType,
+        prompt: str | list[int],
         params: SamplingParams,
         session_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Generation:
-        """The generation of `prompt`, tokenized off the event loop (`TokenizerPool`).
+        """The generation of a completion's prompt (text or token ids), a text tokenized off
+        the event loop (`TokenizerPool`).
 
         Raises:
-            OpenAIError: a text too long to fit, checked before tokenizing, or a prompt and
-                `max_tokens` that exceed the context (400); the tokenizer busy (503).
+            OpenAIError: a text longer than any prompt that fits could be, refused before it is
+                tokenized, or a prompt and `max_tokens` that exceed the context (400); the
+                tokenizer busy (503).
         """
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            text = prompt.get("prompt")
-        if text is not None:
-            state.pool.check_text_length(len(text), state.max_model_len, "prompt")
-            text, token_ids = await state.pool.run(
-                tokenize_prompt, state.tokenizer, prompt, size=len(text)
+        if isinstance(prompt, str):
+            state.pool.check_text_length(len(prompt), state.max_model_len, "prompt")
+            tokenized: TokenizedPrompt = await state.pool.run(
+                tokenize_prompt, state.tokenizer, prompt, size=len(prompt)
             )
         else:
-            text, token_ids = tokenize_prompt(state.tokenizer, prompt)  # ids: nothing to encode
-        return cls(state, text, token_ids, params, session_id)
+            tokenized = TokenizedPrompt(list(prompt))  # ids: nothing to encode
+        return cls(state, tokenized, params, session_id, priority, lora_request)
 
     async def start(self) -> None:
         """Waits for the first output.
@@ -144,6 +162,7 @@ class Generation:
 
     def _absorb(self, output: RequestOutput, delta: CompletionOutput) -> None:
         self.num_prompt_tokens = len(output.prompt_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         choice = self.choices[delta.index]
         choice.text += delta.text
         choice.token_ids.extend(delta.token_ids)
@@ -160,6 +179,9 @@ class Generation:
                 metrics=output.metrics,
                 count_prompt=delta.index == 0,
             )
+            if self.ticket is not None:
+                num_prompt = self.num_prompt_tokens if delta.index == 0 else 0
+                self.ticket.add_usage(num_prompt, len(choice.token_ids))
 
 
 def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int | None) -> None:
@@ -171,6 +193,27 @@ def _check_length(num_prompt: int, max_tokens: int | None, max_model_len: int | 
             f"{num_prompt} prompt tokens and asks for {max_tokens or 0} more",
             param="max_tokens" if num_prompt < max_model_len else "prompt",
         )
+
+
+async def admit(
+    state: ServerState,
+    caller: Caller,
+    generations: Sequence[Generation],
+    params: SamplingParams,
+    priority: int,
+) -> None:
+    """Admits one request's generations by its caller's tenant: returns once admitted (the
+    front door releases the ticket when the response ends).
+
+    Raises:
+        OpenAIError: 429 or 503 with `Retry-After` (`AdmissionGate.admit`).
+    """
+    prompt_lens = [g.num_prompt_ids for g in generations]
+    work = work_of(prompt_lens, params.n, params.max_tokens, state.max_model_len)
+    ticket = await state.admission.admit(caller.tenant, work, priority)
+    caller.tickets.append(ticket)
+    for generation in generations:
+        generation.ticket = ticket
 
 
 async def start_all(generations: Sequence[Generation]) -> None:

@@ -18,14 +18,19 @@ from http import HTTPStatus
 from typing import Any
 
 from shoal.actors.registry import RegistryHandle
-from shoal.client.async_llm import AsyncLLM
-from shoal.client.routing import RoutingStats
-from shoal.deploy.metrics import ServerMetrics, cache_config_labels
+from shoal.client.api.async_llm import AsyncLLM
+from shoal.client.routing.router import RoutingStats
+from shoal.deploy.metrics import POISON_COMPILE_CRASH, ServerMetrics, cache_config_labels
+from shoal.deploy.openai.admission_gate import AdmissionConfig, AdmissionGate
 from shoal.deploy.openai.errors import OpenAIError
+from shoal.deploy.openai.grammar_sandbox import GrammarSandbox
 from shoal.deploy.openai.limits import FrontEndLimits
+from shoal.deploy.openai.lora import LoRAModules
+from shoal.deploy.openai.tenant_metrics import QueueTimes, TenantCollector
+from shoal.deploy.openai.tenants import TenantTable
 from shoal.deploy.openai.tokenizer_pool import TokenizerPool
 from shoal.deploy.openai.tools import ToolCallConfig
-from shoal.engine.protocol import SchedulerStats
+from shoal.engine.protocol import LoRARequest, SchedulerStats
 from shoal.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ class ServerState:
     api_key: str | None
     registry: RegistryHandle | None = None  # the cluster's registry, when serving a cluster
     num_in_flight: int = 0  # POSTs in progress, streams until their last byte (`/load`)
-    admin_api_key: str | None = None  # the resize endpoints' key (default: `api_key`)
+    admin_api_key: str | None = None  # the resize endpoints' key (default: the one API key)
     limits: FrontEndLimits = field(default_factory=FrontEndLimits)
     tokenizer_pool: TokenizerPool | None = None  # made by `make`
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)  # the tool flags
@@ -52,9 +57,24 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # Why no cluster serves this front end now (None while one does): the 503s' message.
     not_serving_reason: str | None = None
+    # Where output constraints are compiled first, before routing (`grammar_sandbox.py`).
+    grammar_sandbox: GrammarSandbox = field(default_factory=GrammarSandbox)
+    # The tenants, by API key (default: `api_key` alone, tenant `default`), and admission.
+    tenants: TenantTable | None = None
+    admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
+    loras: LoRAModules = field(default_factory=LoRAModules)  # the LoRA adapters served by name
+    admission: AdmissionGate = field(init=False)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.tenants is None:
+            self.tenants = TenantTable.single(self.api_key)
+        if self.admin_api_key is None:  # the API key, when there is just one
+            self.admin_api_key = self.tenants.only_key
+        self._queue_times = QueueTimes()
+        self.admission = self.admission_config.make_gate(
+            self.tenants, lambda: self.current_llm, self._queue_times.observe
+        )
         self.metrics = self._make_metrics(self.model_name)
 
     @classmethod
@@ -67,6 +87,8 @@ class ServerState:
         *,
         admin_api_key: str | None = None,
         limits: FrontEndLimits | None = None,
+        tenants: TenantTable | None = None,
+        admission_config: AdmissionConfig | None = None,
     ) -> ServerState:
         return cls(
             llm,
@@ -76,6 +98,8 @@ class ServerState:
             admin_api_key=admin_api_key or api_key,
             limits=limits or FrontEndLimits(),
             tokenizer_pool=TokenizerPool(llm.tokenizer),
+            tenants=tenants,
+            admission_config=admission_config or AdmissionConfig(),
         )
 
     def _make_metrics(self, model_name: str) -> ServerMetrics:
@@ -85,7 +109,21 @@ class ServerState:
             llm = self.current_llm
             return None if llm is None else llm.routing_stats()
 
-        return ServerMetrics(model_name, self.rank_stats, routing_stats, self.cache_config_info)
+        metrics = ServerMetrics(
+            model_name, self.rank_stats, routing_stats, self.cache_config_info, self.poison_counts
+        )
+        tenants = TenantCollector(model_name, lambda: self.admission, self._queue_times)
+        metrics.registry.register(tenants)
+        return metrics
+
+    def poison_counts(self) -> dict[str, int]:
+        """Requests refused as poison, by reason (`shoal:poison_requests_total`): by the grammar
+        sandbox, and by the client's migrator (counted since this cluster was bound)."""
+        counts = {POISON_COMPILE_CRASH: self.grammar_sandbox.num_poisoned}
+        stats = None if self.current_llm is None else self.current_llm.routing_stats()
+        if stats is not None:
+            counts.update(stats.poisoned)
+        return counts
 
     @property
     def llm(self) -> AsyncLLM:
@@ -109,6 +147,7 @@ class ServerState:
     def shutdown_pool(self) -> None:
         if self.tokenizer_pool is not None:
             self.tokenizer_pool.shutdown()
+        self.grammar_sandbox.close()  # ends the children at once (`aclose` also waits)
 
     def bind_cluster(self, llm: AsyncLLM, registry: RegistryHandle, model_name: str) -> None:
         """Serves `llm`'s cluster from now on (after `detach_cluster`, the next cluster of the
@@ -161,8 +200,15 @@ class ServerState:
     def max_model_len(self) -> int | None:
         return self.llm.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        """Raises OpenAIError (404) for a model this server does not serve."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, or None for the base model.
+
+        Raises:
+            OpenAIError: a model this server does not serve (404).
+        """
+        lora = None if model is None else self.loras.get(model)
+        if lora is not None:
+            return lora
         if model is not None and model != self.model_name and model not in self.served_model_names:
             raise OpenAIError(
                 f"the model `{model}` does not exist (this server serves `{self.model_name}`)",
@@ -170,6 +216,7 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+        return None
 
     def serving_ranks(self) -> list[int]:
         """The ranks this front end can route requests to now (none while detached)."""
@@ -205,4 +252,5 @@ class ServerState:
             facts.num_clients = len(status["clients"])
             facts.data_parallel_size = int(status["data_parallel_size"])
             facts.is_scaling = status.get("scaling") is not None
+            facts.autoscaler = status.get("autoscaler")
             self.metrics.observe_scale_history(status.get("scale_history") or [])

@@ -4,7 +4,8 @@ Three spellings reach the same constraint: OpenAI's `response_format`, vLLM's
 `structured_outputs`, and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`; a chat request whose `tool_choice` is `required` or names a function gets
 its constraint from `tools.py`. A body may use one of them. Whether the constraint compiles
-is the engine's to say (a 400 for that request, through the engine's rejection).
+is checked before routing, in the front end's sandbox (`grammar_sandbox.py`: a 400 for that
+request), and the engine compiles what passed.
 """
 
 from __future__ import annotations

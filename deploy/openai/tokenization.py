@@ -39,7 +39,7 @@ async def tokenize(state: ServerState, request: TokenizeRequest) -> Response:
         rendered = await render_chat_off_loop(
             state, request.messages, request.add_generation_prompt
         )
-        tokens = list(rendered["prompt_token_ids"])
+        tokens = list(rendered.token_ids)
         body = await state.pool.run(_tokenize_json, tokens, state.max_model_len, size=len(tokens))
     else:
         assert request.prompt is not None

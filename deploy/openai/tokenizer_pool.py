@@ -10,6 +10,14 @@ most 4), and at most `max_pending` calls waiting or running; past that a call is
 503 at once. Its threads run at a lower CPU priority (nice +5), so on a busy machine the event
 loop and the engines come first.
 
+Memory: a tokenizer's working set is about 150 bytes per character of input (a 7 MB text
+holds a gigabyte while it is tokenized), and the C allocator keeps what a thread freed for
+later. So inputs of `LARGE_INPUT` characters (or ids) and more run one at a time (the others
+wait their turn, counted in `max_pending`), and after each call of `TRIM_INPUT` and more its
+thread hands freed memory back to the system (`malloc_trim`, glibc only): a burst of large
+`/tokenize` calls leaves the front end near the size it had before (`bench/attack.py`
+measures it).
+
 It also holds the cheap bound on a prompt's length: no token spells more than
 `max_token_chars` characters, so a text over `max_model_len * max_token_chars` characters
 (times a margin for normalizers that shrink text) cannot fit, and is refused untokenized.
@@ -18,6 +26,9 @@ It also holds the cheap bound on a prompt's length: no token spells more than
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import functools
 import logging
 import os
@@ -38,6 +49,10 @@ DEFAULT_NUM_WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 DEFAULT_MAX_PENDING = 64
 # Inputs smaller than this (characters, or token ids) are worked on inline.
 SMALL_INPUT = 16384
+# Inputs this large run one at a time.
+LARGE_INPUT = 1 << 20
+# After a call on an input this large, its thread returns freed memory to the system.
+TRIM_INPUT = 1 << 18
 _WORKER_NICENESS = 5
 # Normalizers (NFC, ...) may shrink a text before it is split into tokens.
 _SHRINK_MARGIN = 2
@@ -61,6 +76,7 @@ class TokenizerPool:
         self.tokenizer = tokenizer
         self.max_pending = max_pending
         self._num_pending = 0
+        self._large_turn: asyncio.Semaphore | None = None  # made in the serving loop
         self._executor = ThreadPoolExecutor(
             num_workers, thread_name_prefix="shoal-tokenizer", initializer=_lower_priority
         )
@@ -89,7 +105,13 @@ class TokenizerPool:
         self._num_pending += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+            call = functools.partial(_trimmed if size >= TRIM_INPUT else _plain, fn, *args)
+            if size < LARGE_INPUT:
+                return await loop.run_in_executor(self._executor, call)
+            if self._large_turn is None:
+                self._large_turn = asyncio.Semaphore(1)
+            async with self._large_turn:
+                return await loop.run_in_executor(self._executor, call)
         finally:
             self._num_pending -= 1
 
@@ -111,6 +133,38 @@ class TokenizerPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain(fn: Callable[..., T], *args: object) -> T:
+    return fn(*args)
+
+
+def _trimmed(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)`, then the freed memory of the allocator goes back to the system."""
+    try:
+        return fn(*args)
+    finally:
+        release_free_memory()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+        return trim
+    return None
+
+
+def release_free_memory() -> None:
+    """Returns the memory the C allocator holds free, in every arena, to the system (about
+    10-20 ms after a large call; nothing where the C library is not glibc)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _lower_priority() -> None:

@@ -5,9 +5,11 @@
   `parameters` schema), and becomes one call to it.
 - `required`: the output is constrained to a JSON array of `{"name", "parameters"}` objects
   (one item when `parallel_tool_calls` is false), each a call.
-- `auto` (the default when the server runs with `--enable-auto-tool-choice`): the model writes
-  calls in its own format, which the server's `--tool-call-parser` finds in the text
-  (`tool_parsers.py`); any other text is content.
+- `auto` (the default whenever `tools` are given, as in OpenAI's API and vLLM's): the model
+  writes calls in its own format, which the server's `--tool-call-parser` finds in the text
+  (`tool_parsers.py`); any other text is content. A server started without
+  `--enable-auto-tool-choice` and a parser answers `auto` with a 400, as vLLM does, rather
+  than returning calls as plain text.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ToolCallConfig:
             raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; use {names}")
 
 
-def add_tool_args(parser: argparse.ArgumentParser) -> None:
+def add_tool_args(parser: argparse._ActionsContainer) -> None:
     """--enable-auto-tool-choice and --tool-call-parser."""
     parser.add_argument(
         "--enable-auto-tool-choice",
@@ -90,7 +92,7 @@ def tool_mode(request: ChatCompletionRequest, config: ToolCallConfig) -> ToolMod
     choice = request.tool_choice
     tools = request.tools or []
     if choice is None:
-        choice = "auto" if tools and config.enable_auto_tool_choice else "none"
+        choice = "auto" if tools else "none"
     if choice == "none":
         return ToolMode("none")
     if not tools:
@@ -100,8 +102,9 @@ def tool_mode(request: ChatCompletionRequest, config: ToolCallConfig) -> ToolMod
     if choice == "auto":
         if not config.enable_auto_tool_choice or config.tool_call_parser is None:
             raise OpenAIError(
-                '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
-                "and --tool-call-parser",
+                'tool_choice "auto" (the default when tools are given) needs a server started '
+                "with --enable-auto-tool-choice and --tool-call-parser; without them, send "
+                'tool_choice "none", "required" or a named function',
                 param="tool_choice",
             )
         return ToolMode("auto", parser=TOOL_PARSERS[config.tool_call_parser]())

@@ -14,6 +14,7 @@ import queue
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -113,6 +114,24 @@ class ClientConnection:
         return self.deadline is not None
 
 
+class _Handled:
+    """A HELLO case that dealt with the HELLO itself (dropped it, or answered it again)."""
+
+
+_HANDLED = _Handled()
+# What a HELLO case decides: a refusal (its message), _HANDLED, or None (not this case).
+_Verdict = str | _Handled | None
+
+
+@dataclass(frozen=True)
+class _ProvenKey:
+    """The client a HELLO's connection proved it is, by its CURVE key (when keys are on)."""
+
+    is_required: bool
+    index: int | None = None
+    server_key: bytes | None = None  # the client's public key: its outputs' PUSH serves it
+
+
 class ClientTable:
     """The attached clients of one engine, by routing id and by client index.
 
@@ -173,6 +192,44 @@ class ClientTable:
         payload: list[zmq.Frame],
         first_frame: zmq.Frame,
     ) -> None:
+        """Answers a HELLO: its cases, in order, each may decide it; one that none decides
+        attaches its client.
+
+            case                        the HELLO                            is
+            _unkeyed                    on a connection whose key is no      dropped
+                                        client's (revoked since)
+            _claims_another_index       names an index its key is not        refused
+            _speaks_another_protocol    of another protocol version          refused
+            _on_an_attached_connection  repeats this connection's attach     answered again
+                                        names another client                 refused
+            _takes_an_index             names an attached client's index:    attached (the old
+                                        the same output address, or one      one detached)
+                                        whose connection is down
+                                        one that is up elsewhere             refused
+            _finds_no_room              one client too many (and none is     refused
+                                        down to make room)
+        """
+        hello = self._decode_hello(payload)
+        if hello is None:
+            return
+        key = self._proven_key(first_frame)
+        for case in (
+            self._unkeyed,
+            self._claims_another_index,
+            self._speaks_another_protocol,
+            self._on_an_attached_connection,
+            self._takes_an_index,
+            self._finds_no_room,
+        ):
+            verdict = case(hello, connection, key)
+            if isinstance(verdict, str):
+                self._refuse(hello, key.server_key, verdict)
+                return
+            if verdict is _HANDLED:
+                return
+        self._attach(routing_id, hello, key.server_key)
+
+    def _decode_hello(self, payload: list[zmq.Frame]) -> EngineHello | None:
         try:
             hello: EngineHello = self._hello_decoder.decode(payload)
         except Exception as e:
@@ -182,77 +239,93 @@ class ClientTable:
                 self._engine_index,
                 e,
             )
-            return
-        server_key: bytes | None = None  # the client's public key, with CURVE
-        if self._client_keys is not None:
-            # Who the client is comes from the key its connection proved (`shoal.engine.core.curve`),
-            # never from what its HELLO says.
-            key_index = client_index_of(peer_name(first_frame))
-            if key_index is not None:
-                server_key = self._client_keys.key_of(client_key_name(key_index))
-            if key_index is None or server_key is None:  # revoked since its handshake
-                self._warnings.warning(
-                    "hello-unkeyed",
-                    "engine %d dropped a HELLO from a connection whose key is no client's",
-                    self._engine_index,
-                )
-                return
-            if hello.client_index != key_index:
-                self._refuse(
-                    hello,
-                    server_key,
-                    f"this connection's key is client {key_index}'s; a HELLO cannot claim "
-                    f"client_index {hello.client_index}",
-                )
-                return
+            return None
+        return hello
+
+    def _proven_key(self, first_frame: zmq.Frame) -> _ProvenKey:
+        """Who the client is, from the key its connection proved (`shoal.engine.core.curve`),
+        never from what its HELLO says."""
+        if self._client_keys is None:
+            return _ProvenKey(is_required=False)
+        key_index = client_index_of(peer_name(first_frame))
+        server_key = None
+        if key_index is not None:
+            server_key = self._client_keys.key_of(client_key_name(key_index))
+        return _ProvenKey(True, key_index, server_key)
+
+    def _unkeyed(self, hello: EngineHello, _: ClientConnection | None, key: _ProvenKey) -> _Verdict:
+        if key.is_required and (key.index is None or key.server_key is None):
+            self._warnings.warning(
+                "hello-unkeyed",
+                "engine %d dropped a HELLO from a connection whose key is no client's",
+                self._engine_index,
+            )
+            return _HANDLED
+        return None
+
+    def _claims_another_index(
+        self, hello: EngineHello, _: ClientConnection | None, key: _ProvenKey
+    ) -> _Verdict:
+        if key.is_required and hello.client_index != key.index:
+            return (
+                f"this connection's key is client {key.index}'s; a HELLO cannot claim "
+                f"client_index {hello.client_index}"
+            )
+        return None
+
+    def _speaks_another_protocol(
+        self, hello: EngineHello, _: ClientConnection | None, __: _ProvenKey
+    ) -> _Verdict:
         if hello.protocol_version != PROTOCOL_VERSION:
-            self._refuse(
-                hello,
-                server_key,
+            return (
                 f"protocol version {hello.protocol_version} is not supported; "
-                f"this engine speaks version {PROTOCOL_VERSION}",
+                f"this engine speaks version {PROTOCOL_VERSION}"
             )
-            return
-        if connection is not None:
-            if (connection.client_index, connection.output_address) == (
-                hello.client_index,
-                hello.output_address,
-            ):
-                # A repeated HELLO (its answer was lost): the same answer again.
-                self.send(connection.client_index, self._hello_reply(hello, connection.serial))
-            else:
-                self._refuse(
-                    hello,
-                    server_key,
-                    f"this connection is attached as client {connection.client_index}",
-                )
-            return
+        return None
+
+    def _on_an_attached_connection(
+        self, hello: EngineHello, connection: ClientConnection | None, _: _ProvenKey
+    ) -> _Verdict:
+        if connection is None:
+            return None
+        if (connection.client_index, connection.output_address) != (
+            hello.client_index,
+            hello.output_address,
+        ):
+            return f"this connection is attached as client {connection.client_index}"
+        # A repeated HELLO (its answer was lost): the same answer again.
+        self.send(connection.client_index, self._hello_reply(hello, connection.serial))
+        return _HANDLED
+
+    def _takes_an_index(
+        self, hello: EngineHello, _: ClientConnection | None, __: _ProvenKey
+    ) -> _Verdict:
         other = self.by_client_index.get(hello.client_index)
-        if other is not None:
-            if other.output_address == hello.output_address:
-                # Only the client bound to that address can name it: the same client came back
-                # on a new connection (its old one failed on its side; it has given up on the
-                # requests it sent there).
-                self.detach(other, "it reconnected")
-            elif other.is_suspect:
-                self.detach(other, "a new connection took over its client index")
-            else:
-                self._refuse(
-                    hello,
-                    server_key,
-                    f"client_index {hello.client_index} is already attached to another live "
-                    "connection; use a distinct client_index per client",
-                )
-                return
-        if len(self.connections) >= self._max_clients and not self._make_room():
-            self._refuse(
-                hello,
-                server_key,
-                f"this engine serves {self._max_clients} clients, its maximum; "
-                "try again when one has left",
+        if other is None:
+            return None
+        if other.output_address == hello.output_address:
+            # Only the client bound to that address can name it: the same client came back on
+            # a new connection (its old one failed on its side; it has given up on the
+            # requests it sent there).
+            self.detach(other, "it reconnected")
+        elif other.is_suspect:
+            self.detach(other, "a new connection took over its client index")
+        else:
+            return (
+                f"client_index {hello.client_index} is already attached to another live "
+                "connection; use a distinct client_index per client"
             )
-            return
-        self._attach(routing_id, hello, server_key)
+        return None
+
+    def _finds_no_room(
+        self, hello: EngineHello, _: ClientConnection | None, __: _ProvenKey
+    ) -> _Verdict:
+        if len(self.connections) >= self._max_clients and not self._make_room():
+            return (
+                f"this engine serves {self._max_clients} clients, its maximum; "
+                "try again when one has left"
+            )
+        return None
 
     def _make_room(self) -> bool:
         """Frees a client slot for a new HELLO by detaching the oldest client whose output

@@ -14,9 +14,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -49,6 +49,9 @@ from shoal.engine.serial import (
     peek_request_id,
 )
 
+if TYPE_CHECKING:
+    from shoal.engine.core.rank_engine import RankEngine
+
 logger = logging.getLogger(__name__)
 
 # What a client may run on the data plane, the one policy the input thread enforces: the
@@ -66,6 +69,23 @@ UTILITY_METHODS: Mapping[str, int] = MappingProxyType(
     }
 )
 READ_ONLY_RUNNER_METHODS = frozenset({"bytes_per_block", "determine_num_blocks"})
+
+
+def utility_of(engine: RankEngine, method: str) -> Callable[..., Any]:
+    """What answers the utility call `method` (one of `UTILITY_METHODS`): `echo` and
+    `get_stats` are the rank's own, the same whichever engine it hosts; the others are the
+    engine's."""
+    if method == "echo":
+        return _echo
+    if method == "get_stats":
+        return engine.make_stats
+    method_of_engine: Callable[..., Any] = getattr(engine, method)
+    return method_of_engine
+
+
+def _echo(value: Any) -> Any:
+    return value
+
 
 # The input thread wakes at least this often to notice shutdown and expired connections.
 _INPUT_POLL_MS = 100

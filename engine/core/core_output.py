@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from shoal.engine.core.client_table import close_monitored
-from shoal.engine.core.curve import CurveKeyPair, curve_client
+from shoal.engine.core.curve import CurveKeyPair, EngineKeys, curve_client
 from shoal.engine.core.rate_limit import LogRateLimiter
 from shoal.engine.core.work_items import (
     AttachClient,
@@ -129,6 +129,28 @@ class OutputThread(threading.Thread):
         # submitted item was handled, so a send from the submitter cannot overtake one.
         self._num_submitted = 0
         self._num_handled = 0
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine_index: int,
+        ctx: zmq.Context,
+        stats_address: str | None,
+        lagging_clients: queue.SimpleQueue[tuple[int, int | None]],
+        keys: EngineKeys | None,
+    ) -> OutputThread:
+        """An engine's output thread; with CURVE keys, its stats go only to the coordinator."""
+        stats_keys = None
+        if keys is not None and keys.coordinator is not None:
+            stats_keys = (keys.engine, keys.coordinator)
+        return cls(
+            engine_index,
+            queue.SimpleQueue(),
+            ctx,
+            stats_address,
+            lagging_clients=lagging_clients,
+            stats_keys=stats_keys,
+        )
 
     def submit(self, item: OutputItem) -> None:
         """Queues an item for this thread. Call from one thread only (the busy loop)."""

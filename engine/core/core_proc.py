@@ -1,4 +1,5 @@
-"""`EngineCoreProc`: one `EngineCore` behind ZMQ — a busy loop plus two IO threads.
+"""`EngineCoreProc`: one rank's engine (`RankEngine`: shoal's `EngineCore` or vLLM's, see
+`shoal.engine.core.rank_engine`) behind ZMQ — a busy loop plus two IO threads.
 
 The busy loop runs in whichever thread calls `run_busy_loop()` (a process's main thread, or a
 Ray actor's background thread); nothing here assumes the main thread or signals (the process
@@ -22,15 +23,16 @@ import zmq
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.connection_gate import MAX_CONNECTIONS
-from shoal.engine.core.core_io import UTILITY_METHODS, InputThread
+from shoal.engine.core.core_io import UTILITY_METHODS, InputThread, utility_of
 from shoal.engine.core.core_output import OutputThread
 from shoal.engine.core.curve import (
     EngineKeys,
     client_key_name,
 )
 from shoal.engine.core.elastic_rank import ElasticRank
-from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.core.input_socket import InputSocket, Transport
+from shoal.engine.core.rank_engine import RankEngine, expert_workers_of, make_rank_engine
+from shoal.engine.core.request_ids import scoped, scoped_all, unscope_outputs
 from shoal.engine.core.stats_reporter import StatsReporter
 from shoal.engine.core.step_watchdog import StepWatchdog
 from shoal.engine.core.work_items import (
@@ -72,7 +74,7 @@ _DEATH_NOTICE_FLUSH_S = 1.0
 
 
 class EngineCoreProc:
-    """Runs one `EngineCore` with ZMQ IO: a ROUTER for every client's input, a PUSH per client.
+    """Runs one `RankEngine` with ZMQ IO: a ROUTER for every client's input, a PUSH per client.
 
     Building it loads the model and binds the input socket; the IO threads start at once, so
     clients may attach before `run_busy_loop()` is called (their work waits for it).
@@ -112,8 +114,10 @@ class EngineCoreProc:
             refused unless it proves a cluster key (`shoal.engine.core.connection_gate`).
         worker_launcher: starts a tensor-parallel rank's other workers (`EngineCore`).
 
+    The engine is the one `config.rank_engine.engine` names (`make_rank_engine`).
+
     Raises:
-        ModelLoadError, ValueError: from `EngineCore`.
+        ModelLoadError, ValueError: from the engine.
         GroupJoinError: an expert-parallel peer did not join in time.
     """
 
@@ -133,12 +137,11 @@ class EngineCoreProc:
         worker_launcher: WorkerLauncher | None = None,
     ) -> None:
         self.engine_index = engine_index
-        self.engine_core = EngineCore(
+        self.engine_core: RankEngine = make_rank_engine(
             config, engine_index=engine_index, worker_launcher=worker_launcher
         )
-        executor = self.engine_core.executor
         self._wave = make_dp_wave(
-            executor.expert_workers,
+            expert_workers_of(self.engine_core),
             rendezvous,
             timeout_s=config.parallel.collective_timeout_s,
             join=joining is None,
@@ -151,33 +154,44 @@ class EngineCoreProc:
         self._socket = InputSocket(self._ctx, engine_index, host, transport, keys, max_connections)
         self._client_keys = self._socket.client_keys
         self._input_address = self._socket.address
-        facts = self.engine_core.facts(self._identity)
         # Clients to detach: the output thread's (they did not take their outputs in time)
         # and revoked ones.
         self._lagging: queue.SimpleQueue[tuple[int, int | None]] = queue.SimpleQueue()
-        self._input_thread = InputThread(
+        self._input_thread = self._make_input_thread()
+        self._output_thread = OutputThread.for_engine(
+            engine_index, self._ctx, stats_address, self._lagging, keys
+        )
+        self._is_stats_enabled = stats_address is not None
+        self._stats = StatsReporter(engine_index, self._identity)
+        self._init_client_state()
+        self._lock = threading.Lock()
+        self._is_shutdown_requested = False
+        self._is_running = False
+        self._is_closed = False
+        step_timeout_s = config.scheduler.step_timeout_s
+        self._watchdog = (
+            StepWatchdog(step_timeout_s, self._on_step_timeout) if step_timeout_s > 0 else None
+        )
+        # The local path: a Hub id became its snapshot folder in the engine.
+        self.elastic = self._make_elastic_rank(self.engine_core.config.model.model, joining)
+        self._input_thread.start()
+        self._output_thread.start()
+
+    def _make_input_thread(self) -> InputThread:
+        keys = self._keys
+        return InputThread(
             self._ctx,
             self._socket.router,
-            facts,
+            self.engine_core.facts(self._identity),
             UTILITY_METHODS,
             self._input_queue,
             lagging_clients=self._lagging,
             keys=keys.engine if keys is not None else None,
             client_keys=self._client_keys,
         )
-        stats_keys = None
-        if keys is not None and keys.coordinator is not None:
-            stats_keys = (keys.engine, keys.coordinator)
-        self._output_thread = OutputThread(
-            engine_index,
-            queue.SimpleQueue(),
-            self._ctx,
-            stats_address,
-            lagging_clients=self._lagging,
-            stats_keys=stats_keys,
-        )
-        self._is_stats_enabled = stats_address is not None
-        self._stats = StatsReporter(engine_index, self._identity)
+
+    def _init_client_state(self) -> None:
+        """What the busy loop keeps about its clients."""
         # Requests aborted because their client left: dropped from the next step's outputs so
         # the client, should it attach again, never sees them.
         self._orphan_ids: dict[int, set[str]] = {}
@@ -187,26 +201,18 @@ class EngineCoreProc:
         # The last resize this rank committed: told again to every client that attaches later.
         self._last_reconfigured: ScaleNotice | None = None
         self._attaches_seen = 0
-        self._lock = threading.Lock()
-        self._is_shutdown_requested = False
-        self._is_running = False
-        self._is_closed = False
-        step_timeout_s = config.scheduler.step_timeout_s
-        self._watchdog = (
-            StepWatchdog(step_timeout_s, self._on_step_timeout) if step_timeout_s > 0 else None
-        )
-        self.elastic = ElasticRank(
+
+    def _make_elastic_rank(self, model_path: str, joining: ScalePlan | None) -> ElasticRank:
+        return ElasticRank(
             self.engine_core,
             self._wave,
-            model_path=config.model.model,
+            model_path=model_path,
             notify=self._notify,
             drop_outputs=lambda client, ids: self._orphan_ids.setdefault(client, set()).update(ids),
             attached_clients=lambda: tuple(self._attached_clients),
             wake=lambda: self._input_queue.put(Wake()),
             joining=joining,
         )
-        self._input_thread.start()
-        self._output_thread.start()
 
     @property
     def input_address(self) -> str:
@@ -336,16 +342,15 @@ class EngineCoreProc:
         self._stats.is_dirty = True
         match item:
             case AddRequest(request):
-                if request.request_id:  # an empty id is refused as it is
-                    request.request_id = f"{request.client_index}/{request.request_id}"
+                request.request_id = scoped(request.client_index, request.request_id)
                 if self.elastic.release_new_request(request):
                     return
                 if self._wave is not None:
                     self._wave.note_request(request.current_wave)
                 self.engine_core.add_request(request)
             case AbortRequests(request_ids, client_index):
-                scoped = [f"{client_index}/{r}" for r in request_ids]
-                self.engine_core.abort_requests(scoped, client_index=client_index)
+                ids = scoped_all(client_index, request_ids)
+                self.engine_core.abort_requests(ids, client_index=client_index)
             case UtilityCall(client_index, call_id, method, args):
                 self._call_utility(client_index, call_id, method, args)
             case DetachClient(client_index):
@@ -379,7 +384,7 @@ class EngineCoreProc:
 
     def _call_utility(self, client_index: int, call_id: int, method: str, args: list[Any]) -> None:
         try:
-            value = getattr(self.engine_core, method)(*args)
+            value = utility_of(self.engine_core, method)(*args)
             output = UtilityOutput(call_id=call_id, result=UtilityResult(tag_structs(value)))
         except Exception as e:
             logger.info("utility call %s failed: %s", method, e)
@@ -408,12 +413,7 @@ class EngineCoreProc:
             dropped = orphans.get(client_index)
             if dropped:
                 outputs.outputs = [o for o in outputs.outputs if o.request_id not in dropped]
-            # Request ids are scoped by client in the engine ("<client_index>/<id>"): one
-            # client's ids never meet another's. The client gets its own id back.
-            scope = len(str(client_index)) + 1
-            for output in outputs.outputs:
-                if output.request_id:
-                    output.request_id = output.request_id[scope:]
+            unscope_outputs(client_index, outputs.outputs)  # `request_ids`
             self._output_thread.send_or_submit(client_index, outputs)
 
     def _maybe_report_stats(self) -> None:
@@ -484,7 +484,8 @@ class EngineCoreProc:
         finally:
             if self._input_thread.is_alive() or self._output_thread.is_alive():
                 logger.warning("engine %d IO threads did not stop", self.engine_index)
+            elif not self._socket.stop_handler():
+                logger.warning("engine %d ZAP handler did not stop", self.engine_index)
             else:
-                self._socket.stop_handler()
                 self._ctx.destroy(linger=0)  # sockets still open belong to no live thread
             self._socket.remove_files()

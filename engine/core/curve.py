@@ -235,6 +235,17 @@ class ZapHandler(threading.Thread):
         """Asks the thread to exit within ~0.1 s; it closes its socket. Thread-safe."""
         self._stop_event.set()
 
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Stops the thread and waits for it; returns whether it has ended.
+
+        Before its context is destroyed: `destroy` closes every socket from the calling
+        thread, this one's among them while it polls them, which libzmq does not survive
+        (it aborts in this thread). Only once this returns True may the context go.
+        """
+        self.stop()
+        self.join(timeout_s)
+        return not self.is_alive()
+
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
@@ -335,6 +346,10 @@ class ClientCurve:
     def secure_stats_socket(self, socket: zmq.Socket, coordinator_key: bytes) -> None:
         """The stats SUB (before it connects): subscribes only to the real coordinator."""
         curve_client(socket, self.keys, coordinator_key)
+
+    def close(self) -> bool:
+        """Stops the ZAP handler (`ZapHandler.close`); returns whether it has ended."""
+        return self._zap.close()
 
 
 def attach_refusal(engine_index: int, engine_key: bytes, has_keys: bool) -> str | None:

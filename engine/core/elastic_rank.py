@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.rank_engine import RankEngine
+from shoal.engine.core.request_ids import unscoped
 from shoal.engine.parallel.distributed import ABORT_KEY
 from shoal.engine.parallel.dp_wave import DPWave
 from shoal.engine.parallel.elastic import (
@@ -57,7 +58,7 @@ class ElasticRank:
 
     def __init__(
         self,
-        core: EngineCore,
+        core: RankEngine,
         wave: DPWave | None,
         *,
         model_path: str,
@@ -271,8 +272,8 @@ class ElasticRank:
         elsewhere). Returns whether it was."""
         if not self.has_left:
             return False
-        scope = len(str(request.client_index)) + 1
-        notice = ScaleNotice(self.left_epoch, self.rank, request_ids=[request.request_id[scope:]])
+        own_id = unscoped(request.client_index, request.request_id)
+        notice = ScaleNotice(self.left_epoch, self.rank, request_ids=[own_id])
         self._notify(request.client_index, SHUTDOWN_COMPLETE, notice)
         return True
 
@@ -281,12 +282,12 @@ class ElasticRank:
         self.has_left, self.left_epoch = True, epoch
         num_released = 0
         for client_index in sorted(self._attached_clients()):
-            scoped = self.core.scheduler.request_ids_of_client(client_index)
+            scoped = self.core.request_ids_of_client(client_index)
             if scoped:
                 self.core.abort_requests(scoped)
                 self._drop_outputs(client_index, set(scoped))
-            scope = len(str(client_index)) + 1
-            notice = ScaleNotice(epoch, self.rank, request_ids=[r[scope:] for r in scoped])
+            own_ids = [unscoped(client_index, r) for r in scoped]
+            notice = ScaleNotice(epoch, self.rank, request_ids=own_ids)
             self._notify(client_index, SHUTDOWN_COMPLETE, notice)
             num_released += len(scoped)
         with self._lock:

@@ -1,4 +1,5 @@
-"""`EngineCore`: one engine rank in-process — validate, schedule, run the model, emit outputs.
+"""`EngineCore`: shoal's own engine for one rank — validate, schedule, run the model, emit
+outputs. One of the two `RankEngine`s (`shoal.engine.core.rank_engine`).
 
 It knows nothing of sockets, processes or Ray: `EngineCoreProc` wraps it with ZMQ IO threads,
 and `LLM` drives it directly. Outputs are grouped by the client index of each request so that a
@@ -7,23 +8,29 @@ transport can deliver them to the client that owns them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from typing import Any
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core.rate_limit import LogRateLimiter
+from shoal.engine.core.request_intake import (
+    MAX_REQUEST_ID_CHARS,
+    RequestIntake,
+    RequestLimits,
+)
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import load_model_arch
+from shoal.engine.loader.hub import local_model_config
+from shoal.engine.lora.requests import adapter_key
+from shoal.engine.lora.slots import AdapterKey
 from shoal.engine.model.executor import Executor, make_executor
 from shoal.engine.model.tp_links import WorkerLauncher
+from shoal.engine.model.worker import WorkerInfo
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFacts,
-    FinishReason,
     KVCacheEvents,
     KVCacheSnapshot,
     SchedulerStats,
@@ -34,11 +41,8 @@ from shoal.engine.scheduler_output import ModelRunnerOutput
 from shoal.engine.structured_output import LazyGrammarCompiler
 
 logger = logging.getLogger(__name__)
-_duplicates = LogRateLimiter(logger)
 
-# A request id longer than this is refused; logs show at most `_LOGGED_ID_CHARS` of any id.
-MAX_REQUEST_ID_CHARS = 256
-_LOGGED_ID_CHARS = 64
+__all__ = ["MAX_REQUEST_ID_CHARS", "EngineCore", "resolve_max_model_len"]
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
@@ -69,6 +73,8 @@ class EngineCore:
         ValueError: for an impossible configuration (context length, KV budget).
     """
 
+    name = "shoal"
+
     def __init__(
         self,
         config: EngineConfig,
@@ -76,7 +82,8 @@ class EngineCore:
         engine_index: int = 0,
         worker_launcher: WorkerLauncher | None = None,
     ) -> None:
-        self.config = config
+        # A Hub id becomes its snapshot folder here, on the node that loads it.
+        self.config = config = local_model_config(config)
         self.engine_index = engine_index
         path = config.model.model
         self.arch = load_model_arch(path)
@@ -87,22 +94,31 @@ class EngineCore:
         self.executor.load_model()
         self.num_kv_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
-        self.block_size = config.cache.block_size
+        self.block_size = config.cache.kv_block_size
+        # MEAN pooling needs every prompt token's state: nothing may come from the prefix cache.
+        self.cache_config = config.cache
+        if config.model.is_pooling and config.model.pooler.pooling_type == "MEAN":
+            self.cache_config = dataclasses.replace(config.cache, enable_prefix_caching=False)
         self.scheduler = Scheduler(
             config.scheduler,
-            config.cache,
+            self.cache_config,
             num_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,
+            sliding_window=self.arch.kv_window,
+            lora=config.lora,
         )
         self.eos_token_ids = self.arch.eos_token_ids
         self.grammars = LazyGrammarCompiler(
             config.model.tokenizer or path, self.arch.vocab_size, self.eos_token_ids
         )
-        # Error outputs of rejected requests, delivered with the next step.
-        self._rejected: dict[int, list[EngineCoreOutput]] = {}
-        # client index → ADDs taken in from that client (accepted or rejected), reported with
-        # the stats so a load balancer knows which of its sends they include.
-        self.requests_seen: dict[int, int] = {}
+        limits = RequestLimits(
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            max_logprobs=config.model.max_logprobs,
+            num_kv_cache_tokens=self.num_kv_blocks * self.block_size,
+            is_pooling=config.model.is_pooling,
+        )
+        self.intake = RequestIntake(engine_index, limits)
         logger.info(
             "engine %d ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             engine_index,
@@ -112,32 +128,25 @@ class EngineCore:
             self.max_model_len,
         )
 
+    @property
+    def requests_seen(self) -> dict[int, int]:
+        """client index → ADDs taken in from that client (`RequestIntake`)."""
+        return self.intake.requests_seen
+
     # --- requests -------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request, or an ERROR output for it if it is invalid. Never raises for one."""
-        client = request.client_index
-        self.requests_seen[client] = self.requests_seen.get(client, 0) + 1
-        if self.scheduler.get_request(request.request_id) is not None:
-            # An answer would carry the live request's id and finish it a second time: the
-            # duplicate is dropped, and the live request finishes exactly once.
-            _duplicates.warning(
-                "duplicate-id",
-                "engine %d dropped an ADD whose request_id %r is live already",
-                self.engine_index,
-                _loggable(request.request_id),
-            )
+        if not self.intake.admit(request, self._is_live):
             return
-        error = self._validate(request)
+        error = lora_error(self.executor, request)
         if error is not None:
-            logger.info("rejected request %r: %s", _loggable(request.request_id), error)
-            self._reject(request.client_index, request.request_id, error)
+            self.intake.reject(request, error)
             return
         engine_request = Request.from_engine_core_request(request, self.eos_token_ids)
         error = self._attach_grammar(engine_request)
         if error is not None:
-            logger.info("rejected request %r: %s", _loggable(request.request_id), error)
-            self._reject(request.client_index, request.request_id, error)
+            self.intake.reject(request, error)
             return
         self.scheduler.add_request(engine_request)
 
@@ -149,14 +158,17 @@ class EngineCore:
 
     def abort_client_requests(self, client_index: int) -> list[str]:
         """Aborts every live request of one client (it detached or died)."""
-        request_ids = self.scheduler.request_ids_of_client(client_index)
+        request_ids = self.request_ids_of_client(client_index)
         self.scheduler.abort_requests(request_ids)
-        self._rejected.pop(client_index, None)
-        self.requests_seen.pop(client_index, None)  # if it attaches again, it counts afresh
+        self.intake.forget_client(client_index)
         return request_ids
 
+    def request_ids_of_client(self, client_index: int) -> list[str]:
+        """The live requests of one client."""
+        return self.scheduler.request_ids_of_client(client_index)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return self.intake.has_rejected() or self.scheduler.has_unfinished_requests()
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -167,7 +179,7 @@ class EngineCore:
             client index → `EngineCoreOutputs` carrying that client's outputs and this rank's
             scheduler stats; clients with nothing new are absent.
         """
-        per_client, self._rejected = self._rejected, {}
+        per_client = self.intake.take_rejected()
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             runner_output = (
@@ -175,30 +187,15 @@ class EngineCore:
                 if not scheduler_output.is_empty
                 else ModelRunnerOutput()
             )
+            fail_lora_requests(self.scheduler, runner_output.lora_errors)
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             for client_index, outputs in updates.items():
                 per_client.setdefault(client_index, []).extend(outputs)
-        if not per_client:
-            return {}
-        stats = self.scheduler.make_stats()
-        now = time.time()
-        return {
-            client_index: EngineCoreOutputs(
-                engine_index=self.engine_index,
-                outputs=outputs,
-                scheduler_stats=stats,
-                timestamp=now,
-                requests_seen=self.requests_seen.get(client_index, 0),
-            )
-            for client_index, outputs in per_client.items()
-        }
+        return self.intake.pack(per_client, self.scheduler.make_stats)
 
     # --- utility methods (callable by name through EngineCoreProc's allow-list) ---------------
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
-
-    def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
@@ -218,9 +215,6 @@ class EngineCore:
     def has_kv_events(self) -> bool:
         return self.scheduler.kv_cache_manager.block_pool.kv_events.has_pending()
 
-    def echo(self, value: Any) -> Any:
-        return value
-
     def collective_rpc(self, method: str, args: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
         """Runs a public model-runner method on every worker, through the executor.
 
@@ -231,6 +225,10 @@ class EngineCore:
             AttributeError: if the runner has no such public method.
         """
         return self.executor.collective_rpc(method, tuple(args))
+
+    def describe_workers(self) -> list[WorkerInfo]:
+        """Each worker's TP rank, process and device, the driver's first."""
+        return self.executor.describe_workers()
 
     def facts(self, identity: bytes) -> EngineFacts:
         return EngineFacts(
@@ -243,69 +241,20 @@ class EngineCore:
             vocab_size=self.arch.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
             data_parallel_size=self.config.parallel.data_parallel_size,
-            enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            device=self.executor.device.type,
+            engine=self.name,
         )
 
     def shutdown(self) -> None:
         self.scheduler.abort_requests(self.scheduler.all_request_ids())
         self.executor.shutdown()
+        self.grammars.close()
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _validate(self, request: EngineCoreRequest) -> str | None:
-        if not request.request_id:
-            return "request_id must not be empty"
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            return f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
-        prompt = request.prompt_token_ids
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.max_model_len:
-            return (
-                f"the prompt has {len(prompt)} tokens, but the maximum context length is "
-                f"{self.max_model_len} and at least one token must be generated"
-            )
-        vocab_size = self.arch.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            return f"prompt token ids must be in [0, {vocab_size})"
-        params = request.sampling_params
-        try:
-            params.__post_init__()  # fields may have been changed after construction
-        except ValueError as e:
-            return str(e)
-        max_logprobs = min(self.config.model.max_logprobs, vocab_size)
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            return f"logprobs={params.logprobs} exceeds the maximum of {max_logprobs}"
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            return f"stop_token_ids must be in [0, {vocab_size})"
-        if request.resumed_output_token_ids:
-            return self._validate_resumed(request)
-        return None
-
-    def _validate_resumed(self, request: EngineCoreRequest) -> str | None:
-        """A resumed request's output so far: valid ids, room for one more token, under
-        max_tokens (the rank that generated it would have finished it otherwise)."""
-        resumed = request.resumed_output_token_ids
-        vocab_size = self.arch.vocab_size
-        if min(resumed) < 0 or max(resumed) >= vocab_size:
-            return f"resumed output token ids must be in [0, {vocab_size})"
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and len(resumed) >= max_tokens:
-            return (
-                f"the request resumes with {len(resumed)} output tokens, which already reach "
-                f"max_tokens={max_tokens}"
-            )
-        num_tokens = len(request.prompt_token_ids) + len(resumed)
-        # The scheduler ends a request that fills the context or the whole KV pool, so a
-        # resumed one must leave room for at least one more token in both.
-        max_num_tokens = min(self.max_model_len, self.num_kv_blocks * self.block_size)
-        if num_tokens >= max_num_tokens:
-            return (
-                f"the prompt and the resumed output have {num_tokens} tokens, but at most "
-                f"{max_num_tokens - 1} leave room for a generated token (max_model_len="
-                f"{self.max_model_len}, KV cache {self.num_kv_blocks * self.block_size} tokens)"
-            )
-        return None
+    def _is_live(self, request_id: str) -> bool:
+        return self.scheduler.get_request(request_id) is not None
 
     def _attach_grammar(self, request: Request) -> str | None:
         """Compiles a constrained request's grammar; the error message if it cannot."""
@@ -322,15 +271,24 @@ class EngineCore:
         request = self.scheduler.get_request(request_id)
         return request is not None and request.client_index == client_index
 
-    def _reject(self, client_index: int, request_id: str, message: str) -> None:
-        output = EngineCoreOutput(
-            request_id=request_id, finish_reason=FinishReason.ERROR, error_message=message
-        )
-        self._rejected.setdefault(client_index, []).append(output)
+
+def fail_lora_requests(scheduler: Scheduler, errors: dict[AdapterKey, str]) -> None:
+    """Fails every request of each adapter that could not be loaded (before the step's
+    outputs are read, so none of theirs is emitted), and forgets the adapter's slot."""
+    for key, message in errors.items():
+        ids = [r.request_id for r in scheduler.requests.values() if adapter_key(r) == key]
+        scheduler.abort_requests(ids, error=message)
+        if scheduler.lora_slots is not None:
+            scheduler.lora_slots.forget(key)
 
 
-def _loggable(request_id: str) -> str:
-    """`request_id` cut to what a log line shows: a peer's 10 MB id costs the log 64 chars."""
-    if len(request_id) <= _LOGGED_ID_CHARS:
-        return request_id
-    return f"{request_id[:_LOGGED_ID_CHARS]}...({len(request_id)} chars)"
+def lora_error(executor: Executor, request: EngineCoreRequest) -> str | None:
+    """Why the request's adapter cannot serve on this rank (every worker reads its folder's
+    config and header), or None; a request without one always passes."""
+    lora = request.lora_request
+    if lora is None:
+        return None
+    if not lora.lora_name:
+        return "lora_name must not be empty"
+    errors = executor.collective_rpc("check_lora_adapter", (lora.lora_path,))
+    return next((e for e in errors if e is not None), None)

@@ -90,12 +90,16 @@ class InputSocket:
             self.address = f"ipc://{self._ipc_dir}/engine-{engine_index}.sock"
             router.bind(self.address)
 
-    def stop_handler(self) -> None:
-        """Stops the ZAP handler, then closes the gate; once the IO threads have stopped."""
-        self._zap.stop()
-        self._zap.join(timeout=2)
-        if not self._zap.is_alive():
-            self.gate.close()
+    def stop_handler(self) -> bool:
+        """Stops the ZAP handler, then closes the gate; once the IO threads have stopped.
+
+        Returns:
+            Whether the handler has ended (only then may the context be destroyed).
+        """
+        if not self._zap.close():
+            return False
+        self.gate.close()
+        return True
 
     def remove_files(self) -> None:
         """Removes the ipc socket's folder (nothing with tcp)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.rank_engine import RankEngine
 from shoal.engine.parallel.dp_wave import DPWave
 from shoal.engine.protocol import EngineStatsReport, SchedulerStats
 
@@ -40,7 +40,7 @@ class StatsReporter:
 
     def report(
         self,
-        core: EngineCore,
+        core: RankEngine,
         wave: DPWave | None,
         attached_clients: Collection[int],
         attaches_seen: int,

@@ -42,7 +42,7 @@ ISA_CFLAGS: dict[str, tuple[str, ...]] = {
     "avx": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
 }
 # The C side's buffer bounds (MAX_HEAD_DIM, MAX_GROUP) and dtype codes.
-MAX_HEAD_DIM = 512
+MAX_HEAD_DIM = 576
 MAX_GROUP = 64
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ERRORS = {-1: "bad argument", -2: "out of memory"}
@@ -53,7 +53,8 @@ _ARGTYPES: list[Any] = (
     + [_ptr, _i64, _i64]  # query, its seq / head strides
     + [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]  # key, value, head/block/token strides, dtype
     + [_ptr, _i64, _ptr]  # block tables, row stride, context lens
-    + [_i64] * 6  # seqs, heads, kv heads, head_dim, block_size, partition_blocks
+    + [_i64] * 7  # seqs, heads, kv heads, head_dim, v_head_dim, block_size, partition_blocks
+    + [_i64, _ptr]  # window, sinks
     + [ctypes.c_float, ctypes.c_int]  # scale, threads
 )
 _PREFILL_ARGTYPES: list[Any] = (
@@ -61,7 +62,8 @@ _PREFILL_ARGTYPES: list[Any] = (
     + [_ptr, _i64, _i64]  # query, its token / head strides
     + [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int]  # key, value, head/block/token strides, dtype
     + [_ptr, _i64, _ptr, _ptr, _ptr]  # block tables, row stride, q starts, q lens, start pos
-    + [_i64] * 5  # seqs, heads, kv heads, head_dim, block_size
+    + [_i64] * 6  # seqs, heads, kv heads, head_dim, v_head_dim, block_size
+    + [_i64, _ptr]  # window, sinks
     + [ctypes.c_float, ctypes.c_int]  # scale, threads
 )
 
@@ -102,13 +104,18 @@ class PagedDecodeKernel:
         scale: float,
         partition_blocks: int,
         num_threads: int,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """out[s, h] = softmax(scale * q[s, h] K_s^T) V_s over positions [0, context_lens[s]).
+        """out[s, h] = softmax(scale * q[s, h] K_s^T) V_s over positions [0, context_lens[s])
+        (only the last `sliding_window` of them with a window).
 
         Query head h reads kv head h // (num_heads // num_kv_heads).
 
         Args:
-            out: fp32 [num_seqs, num_heads, head_dim], written; the last dim contiguous.
+            out: fp32 [num_seqs, num_heads, v_head_dim], written; the last dim contiguous.
+                A v_head_dim below head_dim reads the values as the first v_head_dim entries
+                of `value_cache`'s rows (latent attention: `value_cache` is `key_cache`).
             query: fp32 [num_seqs, num_heads, head_dim]; the last dim contiguous.
             key_cache: one layer's K pool [num_kv_heads, num_blocks, block_size, head_dim],
                 fp32 or bf16; the last dim contiguous.
@@ -118,13 +125,19 @@ class PagedDecodeKernel:
             scale: multiplies the scores (usually head_dim ** -0.5).
             partition_blocks: blocks per work item; longer contexts are split and merged.
             num_threads: OpenMP threads (pass torch.get_num_threads()).
+            sliding_window: a query at position i sees keys (i - window, i] only.
+            sinks: fp32 [num_heads]: each head's softmax has one more term, exp(sinks[h]),
+                with no value.
 
         Raises:
             RuntimeError: the kernel rejected its arguments or ran out of memory.
         """
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads, _, block_size, _ = key_cache.shape
-        assert out.shape == query.shape, f"out {tuple(out.shape)} != query {tuple(query.shape)}"
+        v_head_dim = out.shape[2]
+        assert out.shape[:2] == query.shape[:2] and v_head_dim <= head_dim, (
+            f"out {tuple(out.shape)} does not fit query {tuple(query.shape)}"
+        )
         assert out.dtype == query.dtype == torch.float32, "query and out are float32"
         assert key_cache.dtype in _KV_DTYPES, f"unsupported KV dtype {key_cache.dtype}"
         assert value_cache.dtype == key_cache.dtype, "K and V dtypes differ"
@@ -143,7 +156,9 @@ class PagedDecodeKernel:
             *(key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3]),
             _KV_DTYPES[key_cache.dtype],
             *(block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr()),
-            *(num_seqs, num_heads, num_kv_heads, head_dim, block_size, partition_blocks),
+            *(num_seqs, num_heads, num_kv_heads, head_dim, v_head_dim, block_size),
+            partition_blocks,
+            *_layer_args(sliding_window, sinks, num_heads),
             *(scale, num_threads),
         )
         # Named in torch profiles, which do not see foreign calls otherwise.
@@ -165,21 +180,25 @@ class PagedDecodeKernel:
         *,
         scale: float,
         num_threads: int,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Causal attention for every prefill chunk at once, K/V read from the pool in place.
 
         Chunk s owns query rows [q_starts[s], q_starts[s] + q_lens[s]) at positions
         [start_pos[s], start_pos[s] + q_lens[s]); row i attends its sequence's positions
-        [0, start_pos[s] + i], whose K/V (the chunk's own included) are already in the pool.
+        [0, start_pos[s] + i] (with a window, the last `sliding_window` of them), whose K/V (the
+        chunk's own included) are already in the pool.
 
         Args:
-            out: fp32 [num_tokens, num_heads, head_dim], its chunks' rows written.
+            out: fp32 [num_tokens, num_heads, v_head_dim], its chunks' rows written.
             query: fp32 [num_tokens, num_heads, head_dim]; the last dim contiguous.
             key_cache, value_cache: one layer's pools, as for `decode`.
             block_tables: int32 [num_seqs, max_blocks]; row s covers its chunk's last position.
             q_starts, q_lens, start_pos: int32 [num_seqs], contiguous.
             scale: multiplies the scores.
             num_threads: OpenMP threads.
+            sliding_window, sinks: as for `decode`.
 
         Raises:
             RuntimeError: the kernel rejected its arguments or ran out of memory.
@@ -187,7 +206,9 @@ class PagedDecodeKernel:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, _, block_size, _ = key_cache.shape
         num_seqs = q_lens.shape[0]
-        assert out.shape == query.shape and out.dtype == query.dtype == torch.float32
+        v_head_dim = out.shape[2]
+        assert out.shape[:2] == query.shape[:2] and v_head_dim <= head_dim
+        assert out.dtype == query.dtype == torch.float32
         assert key_cache.dtype in _KV_DTYPES and value_cache.dtype == key_cache.dtype
         assert value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride()
         assert key_cache.shape[3] == head_dim, "query and pool head_dim differ"
@@ -205,13 +226,25 @@ class PagedDecodeKernel:
             _KV_DTYPES[key_cache.dtype],
             *(block_tables.data_ptr(), block_tables.stride(0)),
             *(q_starts.data_ptr(), q_lens.data_ptr(), start_pos.data_ptr()),
-            *(num_seqs, num_heads, num_kv_heads, head_dim, block_size),
+            *(num_seqs, num_heads, num_kv_heads, head_dim, v_head_dim, block_size),
+            *_layer_args(sliding_window, sinks, num_heads),
             *(scale, num_threads),
         )
         with torch.profiler.record_function("shoal::paged_prefill_attention"):
             rc = self._prefill_fn(*args)
         if rc != 0:
             raise RuntimeError(f"paged prefill attention kernel failed: {_ERRORS.get(rc, rc)}")
+
+
+def _layer_args(
+    sliding_window: int | None, sinks: torch.Tensor | None, num_heads: int
+) -> tuple[int, int | None]:
+    """(window, sinks pointer) as the kernels take them: 0 and NULL for none."""
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous(), "sinks: contiguous fp32"
+        assert sinks.shape == (num_heads,) and sinks.device.type == "cpu", "sinks: one per head"
+    assert sliding_window is None or sliding_window >= 1, "a window covers at least one key"
+    return sliding_window or 0, sinks.data_ptr() if sinks is not None else None
 
 
 def is_supported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -277,7 +310,10 @@ def build_kernel(
         KernelBuildError: no C compiler, or the compile failed.
     """
     compiler = _find_compiler()
-    source = source_path.read_bytes()
+    # The headers beside the source are part of what it compiles to.
+    source = b"".join(
+        p.read_bytes() for p in (source_path, *sorted(source_path.parent.glob("*.h")))
+    )
     flags = (*CFLAGS, *isa_cflags(), *extra_cflags)
     key = hashlib.sha256()
     for part in (source, " ".join(flags).encode(), _compiler_identity(compiler), _cpu_identity()):

@@ -102,6 +102,10 @@ class QuantMatmulKernel:
         # Steps of at most this many rows use the blocks, larger ones (prefill) the dense
         # weights: where this build stops beating oneDNN (AVX-512 or not).
         self.max_rows: int = lib.shoal_quant_max_rows()
+        lib.shoal_quant_int_rows.restype = ctypes.c_int
+        # Steps of at most this many rows round x to 16-bit blocks and multiply with integer
+        # dot products (AVX2 without AVX-512); 0 in other builds, whose steps stay in float.
+        self.int_rows: int = lib.shoal_quant_int_rows()
 
     def linear(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None

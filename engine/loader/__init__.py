@@ -8,6 +8,8 @@ the model's business.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +40,7 @@ __all__ = [
     "load_lazy_weights",
     "load_model_arch",
     "load_weights",
+    "num_weights",
     "smollm2_gguf_path",
 ]
 
@@ -124,6 +127,28 @@ def load_lazy_weights(path: str) -> Iterator[tuple[str, torch.Tensor | LazyTenso
     model_dir = _checkpoint_dir(path)
     weight_files(model_dir)
     return iter_lazy_safetensors_weights(model_dir)
+
+
+def num_weights(path: str) -> int:
+    """How many tensors the checkpoint stores (what `load_weights` yields at most), from its
+    headers only; 0 when they cannot be read (the load itself then says why).
+
+    Args:
+        path: a Hugging Face checkpoint directory or a .gguf file.
+    """
+    try:
+        if is_gguf_path(path):
+            with open(path, "rb") as handle:  # magic, version, then the tensor count
+                return int(struct.unpack("<4sIQ", handle.read(16))[2])
+        files, weight_map = weight_files(_checkpoint_dir(path))
+        if weight_map is not None:
+            return len(weight_map)
+        with files[0].open("rb") as handle:  # a little-endian header size, then its JSON
+            (size,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(size))
+        return len([name for name in header if name != "__metadata__"])
+    except (ModelLoadError, OSError, ValueError, struct.error):
+        return 0
 
 
 def load_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]] | None:

@@ -1,7 +1,9 @@
-"""GGUF (llama architecture) tensors -> dequantized float32 weights under transformers names.
+"""GGUF tensors -> dequantized float32 weights under transformers names.
 
-Undoes what llama.cpp's converter does to a Hugging Face Llama: renames tensors, quantizes them,
-and interleaves the rotary halves of each q / k head. Metadata is read by `gguf_arch` and
+Undoes what llama.cpp's converter does to a Hugging Face checkpoint: renames tensors, quantizes
+them, interleaves the rotary halves of each q / k head (llama only), adds 1 to Gemma's norm
+weights, and stacks an MoE layer's experts into one tensor per projection (split back here into
+the per-expert names a saved checkpoint has). Metadata is read by `gguf_arch` and
 `gguf_tokenizer`, not here.
 """
 
@@ -17,7 +19,7 @@ from gguf.quants import dequantize
 
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, is_quantizable
-from shoal.engine.loader.gguf_arch import model_arch_from_gguf
+from shoal.engine.loader.gguf_arch import gguf_arch_name, model_arch_from_gguf
 from shoal.engine.loader.gguf_file import GGUFFile, read_gguf
 from shoal.engine.model_arch import ModelArch
 
@@ -36,18 +38,49 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+}
+# Where an architecture's converter names a tensor otherwise.
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gpt-oss": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+        "attn_sinks": "self_attn.sinks",
+    },
+}
+# Stacked experts [num_experts, rows, columns] -> the per-expert projection names.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _LAYER_PATTERN = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_PATTERN = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers state_dict name of a GGUF tensor, or None for one with no counterpart."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The transformers state_dict name of a GGUF tensor, or None for one with no counterpart.
+    Stacked experts map to `model.layers.{i}.mlp.experts.{{}}.{proj}.weight`, a template."""
     match = _LAYER_PATTERN.match(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        if part in names:
+            if part == "attn_sinks":
+                return f"model.layers.{layer}.{names[part]}"  # a bare parameter in HF
+            return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part in _EXPERT_NAMES and arch == "gpt-oss":
+            return f"model.layers.{layer}.mlp.experts.{_EXPERT_NAMES[part]}.{kind}"  # stacked
+        if part in _EXPERT_NAMES and kind == "weight":
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[part]}.weight"
         return None
     match = _GLOBAL_PATTERN.match(gguf_name)
     if match and match.group(1) in _GLOBAL_NAMES:
@@ -67,15 +100,21 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     header = read_gguf(path)
     arch = model_arch_from_gguf(path, header)  # validates before the first tensor is read
-    return _iter_tensors(header, arch)
+    tensors = _iter_tensors(header, arch)
+    if gguf_arch_name(path, header) == "gpt-oss":
+        return fuse_gpt_oss_experts(tensors)
+    return tensors
 
 
 def _iter_tensors(header: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     path = header.path
+    gguf_arch = gguf_arch_name(path, header)
     for gguf_name, info in header.tensors.items():
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, gguf_arch)
         if name is None:
-            raise ModelLoadError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
+            raise ModelLoadError(
+                f"{path}: tensor {gguf_name!r} has no {arch.architecture} counterpart"
+            )
         try:
             values = dequantize(header.raw_tensor(gguf_name), GGMLQuantizationType(info.ggml_type))
         except NotImplementedError as exc:
@@ -86,11 +125,17 @@ def _iter_tensors(header: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torc
                 f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, "
                 f"expected {info.torch_shape}"
             )
-        if ".attn_q." in gguf_name:
+        if gguf_arch == "llama" and ".attn_q." in gguf_name:
             tensor = unpermute_rotary_rows(tensor, arch.num_attention_heads)
-        elif ".attn_k." in gguf_name:
+        elif gguf_arch == "llama" and ".attn_k." in gguf_name:
             tensor = unpermute_rotary_rows(tensor, arch.num_key_value_heads)
-        yield name, tensor
+        elif gguf_arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # llama.cpp stores Gemma's (1 + w)
+        if "{}" in name:  # stacked experts
+            for expert, part in enumerate(tensor):
+                yield name.format(expert), part
+        else:
+            yield name, tensor
 
 
 def iter_gguf_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]]:
@@ -103,8 +148,9 @@ def iter_gguf_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]]:
     """
     header = read_gguf(path)
     arch = model_arch_from_gguf(path, header)
+    gguf_arch = gguf_arch_name(path, header)
     for gguf_name, info in header.tensors.items():
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, gguf_arch)
         if name is None or len(info.torch_shape) != 2:
             continue
         rows, in_features = info.torch_shape
@@ -112,11 +158,52 @@ def iter_gguf_blocks(path: str) -> Iterator[tuple[str, QuantizedWeight]]:
             continue
         raw = np.ascontiguousarray(header.raw_tensor(gguf_name)).reshape(rows, -1)
         blocks = torch.from_numpy(raw.copy()).view(torch.uint8)
-        if ".attn_q." in gguf_name:
+        if gguf_arch == "llama" and ".attn_q." in gguf_name:
             blocks = unpermute_rotary_rows(blocks, arch.num_attention_heads)
-        elif ".attn_k." in gguf_name:
+        elif gguf_arch == "llama" and ".attn_k." in gguf_name:
             blocks = unpermute_rotary_rows(blocks, arch.num_key_value_heads)
         yield name, QuantizedWeight(info.ggml_type, blocks, in_features)
+
+
+def fuse_gpt_oss_experts(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Puts gpt-oss's experts back as its checkpoints hold them: llama.cpp splits the fused,
+    transposed, gate/up-interleaved `gate_up_proj` [E, hidden, 2I] into gate and up stacks
+    [E, I, hidden] (biases [E, I]) and transposes `down_proj` [E, I, hidden] to
+    [E, hidden, I]. A gate waits here for its up."""
+    halves: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        prefix, _, rest = name.partition(".mlp.experts.")
+        if not rest:
+            yield name, tensor
+            continue
+        proj, kind = rest.split(".")
+        fused = f"{prefix}.mlp.experts"
+        if proj == "down_proj":
+            yield (
+                (f"{fused}.down_proj", tensor.transpose(1, 2).contiguous())
+                if kind == "weight"
+                else (
+                    f"{fused}.down_proj_bias",
+                    tensor,
+                )
+            )
+            continue
+        halves[f"{proj}.{kind}"] = tensor
+        other = halves.pop(f"{'up_proj' if proj == 'gate_proj' else 'gate_proj'}.{kind}", None)
+        if other is None:
+            continue
+        del halves[f"{proj}.{kind}"]
+        gate, up = (tensor, other) if proj == "gate_proj" else (other, tensor)
+        # Interleave: rows gate0, up0, gate1, up1, ... (dim 1 of [E, I, ...]).
+        rows = torch.stack([gate, up], dim=2).flatten(1, 2)
+        if kind == "weight":
+            yield f"{fused}.gate_up_proj", rows.transpose(1, 2).contiguous()
+        else:
+            yield f"{fused}.gate_up_proj_bias", rows
+    if halves:
+        raise ModelLoadError(f"gpt-oss experts without their other half: {sorted(halves)}")
 
 
 def unpermute_rotary_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

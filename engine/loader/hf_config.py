@@ -11,23 +11,50 @@ from pathlib import Path
 from typing import Any
 
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.model_arch import SUPPORTED_ARCHITECTURES, ModelArch
+from shoal.engine.loader.hf_arch import arch_fields
+from shoal.engine.model_arch import (
+    FULL_ATTENTION,
+    ROPE_TYPES,
+    SUPPORTED_ARCHITECTURES,
+    ModelArch,
+)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # The transformers class defaults, used when config.json omits the key.
 _DEFAULT_RMS_NORM_EPS = {
     "LlamaForCausalLM": 1e-6,
     "Qwen2ForCausalLM": 1e-6,
     "MixtralForCausalLM": 1e-5,
+    "Qwen3ForCausalLM": 1e-6,
+    "MistralForCausalLM": 1e-6,
+    "Qwen3MoeForCausalLM": 1e-6,
+    "Gemma3ForCausalLM": 1e-6,
+    "Phi3ForCausalLM": 1e-5,
+    "GptOssForCausalLM": 1e-5,
+    "DeepseekV3ForCausalLM": 1e-6,
 }
 _DEFAULT_ROPE_THETA = {
     "LlamaForCausalLM": 10000.0,
     "Qwen2ForCausalLM": 10000.0,
     "MixtralForCausalLM": 1e6,
+    "Qwen3ForCausalLM": 10000.0,
+    "MistralForCausalLM": 10000.0,
+    "Qwen3MoeForCausalLM": 10000.0,
+    "Gemma3ForCausalLM": 1e6,
+    "Phi3ForCausalLM": 10000.0,
+    "GptOssForCausalLM": 150000.0,
+    "DeepseekV3ForCausalLM": 10000.0,
 }
 
 
@@ -74,8 +101,14 @@ def model_arch_from_hf_dir(model_dir: Path) -> ModelArch:
     hidden_size = int(required("hidden_size"))
     num_heads = int(required("num_attention_heads"))
     head_dim = config.get("head_dim") or hidden_size // num_heads
-    is_moe = architecture == "MixtralForCausalLM"
+    if architecture == "DeepseekV3ForCausalLM":
+        head_dim = required("qk_rope_head_dim")  # the rotary part; see ModelArch's MLA fields
     rope_theta, rope_scaling = _rope(config, architecture)
+    if rope_scaling is not None and rope_scaling["rope_type"] not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{config_path}: rope_scaling type {rope_scaling['rope_type']!r} is not supported "
+            f"(only {', '.join(ROPE_TYPES)})"
+        )
     return ModelArch(
         architecture=architecture,
         vocab_size=int(required("vocab_size")),
@@ -91,12 +124,11 @@ def model_arch_from_hf_dir(model_dir: Path) -> ModelArch:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always carries q/k/v biases; its config has no switch for them.
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias")),
-        num_local_experts=int(required("num_local_experts")) if is_moe else 0,
-        num_experts_per_tok=int(required("num_experts_per_tok")) if is_moe else 0,
         torch_dtype=_dtype_name(config.get("dtype") or config.get("torch_dtype")),
         bos_token_id=next(iter(_as_id_tuple(config.get("bos_token_id"))), None),
         eos_token_ids=_eos_token_ids(config, model_dir),
         rope_scaling=rope_scaling,
+        **arch_fields(config, architecture, config_path),
     )
 
 
@@ -118,8 +150,6 @@ def _reject_unsupported_features(config: dict[str, Any], architecture: str, path
     """Fails loudly on switches the engine's models do not implement, rather than run wrong."""
     if config.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
-    if architecture == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {config['hidden_act']!r} is not supported")
 
@@ -131,6 +161,8 @@ def _rope(config: dict[str, Any], architecture: str) -> tuple[float, dict[str, A
     5.x writes one `rope_parameters` dict holding rope_theta, rope_type and any scaling keys.
     """
     parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict) and isinstance(parameters.get(FULL_ATTENTION), dict):
+        parameters = parameters[FULL_ATTENTION]  # per layer type (Gemma 3): the global layers'
     if isinstance(parameters, dict) and "rope_theta" in parameters:
         theta = float(parameters["rope_theta"])
     elif config.get("rope_theta") is not None:

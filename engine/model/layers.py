@@ -1,16 +1,16 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, the SiLU-gated MLP
+"""Building blocks shared by the decoder models: RMSNorm (and Gemma's), the gated MLP
 (tensor-parallel when given a `TensorParallel`), and the name -> tensor map that loads HF-named
-checkpoint tensors into (possibly fused, possibly narrowed) params.
+checkpoint tensors into (possibly fused, possibly narrowed) params. Rotary embeddings are
+`shoal.engine.model.rotary`'s (re-exported here).
 
 Knows nothing about requests, the KV cache or the scheduler.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,10 @@ from torch import nn
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, QuantMatmulKernel
 from shoal.engine.loader import LazyTensor
+from shoal.engine.model.lora_layers import LoRAStack
+from shoal.engine.model.rotary import RopeAngles as RopeAngles
+from shoal.engine.model.rotary import RotaryEmbedding as RotaryEmbedding
+from shoal.engine.model.rotary import rope_inv_freq as rope_inv_freq
 from shoal.engine.parallel.tensor_parallel import SINGLE, Shard, TensorParallel
 
 
@@ -136,8 +140,13 @@ class Linear(nn.Module):
         self.keeps_dense = False  # with `packed`: the dense weight serves steps of few rows
         # The checkpoint's GGUF blocks, for steps of few rows (`shoal.engine.kernels.quant_matmul`).
         self.quantized: tuple[QuantMatmulKernel, QuantizedWeight] | None = None
+        self.lora: LoRAStack | None = None  # the live adapters' A/B, when serving LoRA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return y if self.lora is None else self.lora.add_to(x, y)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized[0].max_rows:
             kernel, blocks = self.quantized
             return kernel.linear(x, blocks, self.bias)
@@ -174,6 +183,34 @@ class Linear(nn.Module):
 BlockSlots = dict[str, tuple[Linear, int, int]]
 
 
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where a LoRA adapter's A/B pair for one checkpoint module lands in this worker.
+
+    Attributes:
+        linear: the (possibly fused) projection the module is part of.
+        part: its index among the projection's `num_parts` fused parts.
+        num_parts: how many modules the projection fuses.
+        out_start: the module's first output row in this worker's projection.
+        out_rows: the rows of the full B this worker holds (column-parallel: its shard).
+        in_cols: the columns of the full A this worker holds (row-parallel: its shard of the
+            input; the partial update joins the output before the all-reduce), or None.
+        full_shape: the module's full (out, in) features.
+    """
+
+    linear: Linear
+    part: int
+    num_parts: int
+    out_start: int
+    out_rows: Shard
+    in_cols: Shard | None
+    full_shape: tuple[int, int]
+
+
+# Checkpoint module name ("model.layers.0.self_attn.q_proj") → its LoRA target.
+LoRATargets = dict[str, LoRATarget]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (the pre-norm decoder pattern)."""
 
@@ -200,93 +237,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies (float32) for default, linear and llama3 rope scaling.
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w, the scale is (1 + w), applied in float32."""
 
-    Raises:
-        ModelLoadError: for a rope scaling type other than default, linear or llama3.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not rope_scaling:
-        return inv_freq
-    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding over a precomputed cos/sin table indexed by position."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        theta: float,
-        rope_scaling: dict[str, Any] | None,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
-        # float32 angles, then cast: the same rounding as HF's per-call computation.
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> RopeAngles:
-        """cos / sin rows [T, 1, D/2] for the step's positions, looked up once for all layers."""
-        return RopeAngles(
-            self.cos.index_select(0, positions).unsqueeze(1),
-            self.sin.index_select(0, positions).unsqueeze(1),
-        )
-
-
-class RopeAngles(NamedTuple):
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate-half rotation of x [T, heads, D]; returns a new tensor."""
-        return _rotate(x, self.cos, self.sin)
-
-    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
-        """The same rotation written over x (a view, e.g. into a fused qkv), rounded the same
-        way as `rotate`; returns x."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        x2_sin, x1_sin = x2 * self.sin, x1 * self.sin
-        x1.mul_(self.cos).sub_(x2_sin)
-        x2.mul_(self.cos).add_(x1_sin)
-        return x
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class FeedForward(nn.Module):
@@ -300,9 +257,14 @@ class FeedForward(nn.Module):
         """The projections that can compute from a checkpoint's GGUF blocks (none here)."""
         return {}
 
+    def lora_targets(self, layer_prefix: str) -> LoRATargets:
+        """The projections a LoRA adapter may adapt (none here)."""
+        return {}
+
 
 class GatedMLP(FeedForward):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection.
+    """down(act(gate(x)) * up(x)) with gate and up fused into one [2I, H] projection (act:
+    SiLU unless given).
 
     Under tensor parallelism gate/up are column-parallel and down row-parallel: each worker
     holds a block of the width I and its partial outputs are summed by one all-reduce.
@@ -314,11 +276,15 @@ class GatedMLP(FeedForward):
         intermediate_size: int,
         *,
         tp: TensorParallel = SINGLE,
+        module_name: str = "mlp",
+        activation: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.tp = tp
+        self.activation = activation or silu_and_mul
+        self.module_name = module_name  # its checkpoint names: `{layer prefix}.{module_name}.*`
         self.width_shard = tp.shard(intermediate_size)
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = self.width_shard.size
@@ -328,12 +294,13 @@ class GatedMLP(FeedForward):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(gate_up, self.intermediate_size)))
+        hidden = self.activation(gate_up, self.intermediate_size)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
     def block_slots(self, layer_prefix: str) -> BlockSlots:
         if self.tp.size > 1:  # GGUF blocks are whole rows of the full weight: dense shards only
             return {}
-        prefix = f"{layer_prefix}.mlp"
+        prefix = f"{layer_prefix}.{self.module_name}"
         gate_up, down = self.gate_up_proj, self.down_proj
         return {
             f"{prefix}.gate_proj.weight": (gate_up, 0, 2),
@@ -341,9 +308,26 @@ class GatedMLP(FeedForward):
             f"{prefix}.down_proj.weight": (down, 0, 1),
         }
 
+    def lora_targets(self, layer_prefix: str) -> LoRATargets:
+        """gate/up: column-parallel parts of gate_up_proj; down: row-parallel."""
+        prefix, size = f"{layer_prefix}.{self.module_name}", self.intermediate_size
+        hidden, full, shard = (
+            self.down_proj.out_features,
+            self.full_intermediate_size,
+            self.width_shard,
+        )
+        gate_up, down = self.gate_up_proj, self.down_proj
+        return {
+            f"{prefix}.gate_proj": LoRATarget(gate_up, 0, 2, 0, shard, None, (full, hidden)),
+            f"{prefix}.up_proj": LoRATarget(gate_up, 1, 2, size, shard, None, (full, hidden)),
+            f"{prefix}.down_proj": LoRATarget(
+                down, 0, 1, 0, Shard(0, hidden), shard, (hidden, full)
+            ),
+        }
+
     def weight_map(self, layer_prefix: str) -> WeightMap:
-        """HF names under `{layer_prefix}.mlp`, each narrowed to this worker's block."""
-        size, prefix = self.intermediate_size, f"{layer_prefix}.mlp"
+        """HF names under `{layer_prefix}.{module_name}`, each narrowed to this worker's block."""
+        size, prefix = self.intermediate_size, f"{layer_prefix}.{self.module_name}"
         hidden, full = self.down_proj.out_features, self.full_intermediate_size
         shard = self.width_shard
         gate_up = self.gate_up_proj.weight
@@ -357,6 +341,12 @@ class GatedMLP(FeedForward):
 
 def silu_and_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
     out = F.silu(gate_up[..., :size])
+    return out.mul_(gate_up[..., size:])
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """GELU (tanh approximation) of the gate times up: Gemma's gated MLP."""
+    out = F.gelu(gate_up[..., :size], approximate="tanh")
     return out.mul_(gate_up[..., size:])
 
 

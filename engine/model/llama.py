@@ -1,8 +1,12 @@
-"""Llama and Qwen2 decoder models over a flat token batch and the paged KV cache.
+"""Llama-family decoder models over a flat token batch and the paged KV cache: Llama itself, and
+the models that differ from it in options (`AttentionOptions`) only — Qwen2 (q/k/v biases),
+Qwen3 (q/k norms), Mistral (a sliding window). `LlamaForCausalLM` is also the base the other
+architectures (Mixtral, Qwen3-MoE, Gemma 3, Phi-3, gpt-oss, DeepSeek-V3) build on, through its
+`_make_attention` / `_make_mlp` / `_make_layer` hooks.
 
 Inputs are one [num_tokens] batch of mixed prefill and decode tokens (no padding); attention
 reads the cache through `AttentionMetadata`. Weights arrive under HF state_dict names and are
-fused on load (q/k/v into one projection, gate/up into one). Qwen2 is Llama with q/k/v biases.
+fused on load (q/k/v into one projection, gate/up into one).
 
 Under tensor parallelism (`shoal.engine.parallel.tensor_parallel`) each worker builds the model
 at its own shard's sizes (its query and KV heads, its MLP width, its vocabulary block) and the
@@ -32,142 +36,27 @@ from shoal.engine.model.layers import (
     FeedForward,
     GatedMLP,
     Linear,
+    LoRATargets,
     Packable,
     RMSNorm,
-    RopeAngles,
     RotaryEmbedding,
     WeightMap,
     assign_blocks,
     empty_param,
     is_worth_packing,
 )
+from shoal.engine.model.llama_layers import (
+    AttentionOptions,
+    DecoderLayer,
+    LlamaAttention,
+    SelfAttention,
+)
 from shoal.engine.model_arch import ModelArch
-from shoal.engine.parallel.tensor_parallel import SINGLE, Shard, TensorParallel
-
-
-class LlamaAttention(nn.Module):
-    """Fused qkv projection, rotary embedding, paged attention and the output projection.
-
-    Under tensor parallelism qkv is column-parallel (this worker's query heads and KV heads) and
-    o_proj row-parallel, summed by an all-reduce; an o_proj bias is added by worker 0 only.
-    """
-
-    def __init__(
-        self,
-        arch: ModelArch,
-        backend: AttentionBackend[Any],
-        *,
-        tp: TensorParallel = SINGLE,
-        qkv_bias: bool,
-        o_bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__()
-        self.tp = tp
-        self.head_dim = arch.head_dim
-        self.q_rows = tp.shard(arch.num_attention_heads * self.head_dim)
-        kv_heads = tp.kv_head_shard(arch.num_key_value_heads)
-        self.kv_rows = Shard(kv_heads.start * self.head_dim, kv_heads.size * self.head_dim)
-        self.full_q_size = arch.num_attention_heads * self.head_dim
-        self.full_kv_size = arch.num_key_value_heads * self.head_dim
-        self.num_heads = arch.num_attention_heads // tp.size
-        self.num_kv_heads = kv_heads.size
-        self.q_size = self.q_rows.size
-        self.kv_size = self.kv_rows.size
-        self.has_o_bias = o_bias
-        qkv_size = self.q_size + 2 * self.kv_size
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.qkv_proj = Linear(arch.hidden_size, qkv_size, bias=qkv_bias, **kw)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=o_bias and tp.is_driver, **kw)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
-
-    def forward(self, rope: RopeAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        num_tokens, qk_size = x.shape[0], self.q_size + self.kv_size
-        # q and k sit side by side in qkv: one rotation, in place, covers both.
-        qk = rope.rotate_(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta)))
-
-    def block_slots(self, layer_prefix: str) -> BlockSlots:
-        if self.tp.size > 1:  # GGUF blocks are whole rows of the full weight: dense shards only
-            return {}
-        prefix = f"{layer_prefix}.self_attn"
-        slots: BlockSlots = {
-            f"{prefix}.{name}_proj.weight": (self.qkv_proj, i, 3) for i, name in enumerate("qkv")
-        }
-        slots[f"{prefix}.o_proj.weight"] = (self.o_proj, 0, 1)
-        return slots
-
-    def weight_map(self, layer_prefix: str) -> WeightMap:
-        """HF names under `{layer_prefix}.self_attn`, each narrowed to this worker's heads."""
-        prefix = f"{layer_prefix}.self_attn"
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q, kv, full_q, full_kv = self.q_rows, self.kv_rows, self.full_q_size, self.full_kv_size
-        parts = {
-            "q": (0, q_end, q, full_q),
-            "k": (q_end, k_end, kv, full_kv),
-            "v": (k_end, k_end + self.kv_size, kv, full_kv),
-        }
-        qkv, o = self.qkv_proj, self.o_proj
-        hidden = o.out_features
-        wm = WeightMap()
-        for name, (lo, hi, rows, full) in parts.items():
-            weight = f"{prefix}.{name}_proj.weight"
-            wm.add(weight, qkv.weight[lo:hi], shape=(full, hidden), block=(0, rows))
-            if qkv.bias is not None:
-                wm.add(
-                    f"{prefix}.{name}_proj.bias", qkv.bias[lo:hi], shape=(full,), block=(0, rows)
-                )
-        wm.add(f"{prefix}.o_proj.weight", o.weight, shape=(hidden, full_q), block=(1, q))
-        if self.has_o_bias:  # summed once: held by worker 0, accepted and dropped by the others
-            wm.add(f"{prefix}.o_proj.bias", o.bias, shape=(hidden,))
-        return wm
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)), residual adds fused into norms."""
-
-    def __init__(
-        self,
-        arch: ModelArch,
-        attn: LlamaAttention,
-        mlp: FeedForward,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__()
-        self.self_attn = attn
-        self.mlp = mlp
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
-
-    def forward(
-        self,
-        rope: RopeAngles,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-    def weight_map(self, prefix: str) -> WeightMap:
-        wm = self.self_attn.weight_map(prefix)
-        wm.update(self.mlp.weight_map(prefix))
-        wm.add(f"{prefix}.input_layernorm.weight", self.input_layernorm.weight)
-        wm.add(f"{prefix}.post_attention_layernorm.weight", self.post_attention_layernorm.weight)
-        return wm
+from shoal.engine.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder; subclasses swap the MLP (Mixtral) or add q/k/v biases (Qwen2).
+    """Llama decoder; subclasses change the attention options, the MLP or the layer.
 
     Args:
         arch: the checkpoint's architecture facts.
@@ -178,6 +67,9 @@ class LlamaForCausalLM(nn.Module):
             default: the device's default backend.
         tensor_parallel: this worker's place in its rank's TP group; default: the whole model.
     """
+
+    # The RMSNorm of the layers and the final norm (Gemma's adds 1 to its weights).
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(
         self,
@@ -198,63 +90,103 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_rows, padded_vocab = tp.vocab_shard(arch.vocab_size)
         self.embed_tokens = empty_param(padded_vocab, arch.hidden_size, **kw)
         self.embed_tokens.data[self.vocab_rows.size :].zero_()
-        self.rotary = RotaryEmbedding(
-            arch.head_dim,
-            max_position or arch.max_position_embeddings,
-            arch.rope_theta,
-            arch.rope_scaling,
-            **kw,
-        )
+        self.embed_scale: float | None = None  # multiplies the embeddings (Gemma)
+        self.rotaries = self._make_rotaries(arch, max_position or arch.max_position_embeddings, kw)
         if attention_backend is None:
             attention_backend = select_attention_backend(
                 None,
                 device=device,
                 dtype=dtype,
                 num_heads=arch.num_attention_heads // tp.size,
-                num_kv_heads=tp.kv_head_shard(arch.num_key_value_heads).size,
-                head_dim=arch.head_dim,
+                num_kv_heads=tp.kv_head_shard(arch.num_kv_cache_heads).size,
+                head_dim=arch.kv_cache_head_dim,
             )
         self.attention_backend = attention_backend
-        qkv_bias, o_bias = self._attention_biases(arch)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self._make_layer(
                 arch,
-                LlamaAttention(
-                    arch, attention_backend, tp=tp, qkv_bias=qkv_bias, o_bias=o_bias, **kw
-                ),
-                self._make_mlp(arch, dtype=dtype, device=device),
-                **kw,
+                self._make_attention(arch, i, attention_backend, dtype=dtype, device=device),
+                self._make_mlp(arch, i, dtype=dtype, device=device),
+                i,
+                dtype=dtype,
+                device=device,
             )
-            for _ in range(arch.num_hidden_layers)
+            for i in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **kw)
+        self.norm = self.norm_class(arch.hidden_size, arch.rms_norm_eps, **kw)
         self.lm_head = Linear(arch.hidden_size, padded_vocab, **kw)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         else:
             self.lm_head.weight.data[self.vocab_rows.size :].zero_()
 
-    @staticmethod
-    def _attention_biases(arch: ModelArch) -> tuple[bool, bool]:
-        """(q/k/v bias, o_proj bias): HF Llama's attention_bias covers all four projections."""
-        return arch.attention_bias, arch.attention_bias
+    def _make_rotaries(
+        self, arch: ModelArch, max_position: int, kw: dict[str, Any]
+    ) -> nn.ModuleList:
+        """The rope tables: the model's, then the sliding layers' own where their base differs."""
+        rotaries = [
+            RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling, **kw)
+        ]
+        if arch.rope_local_theta is not None:
+            rotaries.append(
+                RotaryEmbedding(arch.head_dim, max_position, arch.rope_local_theta, None, **kw)
+            )
+        return nn.ModuleList(rotaries)
+
+    def rope_index(self, layer: int) -> int:
+        """Which of `rotaries` layer `layer` rotates with."""
+        return 1 if len(self.rotaries) > 1 and self.arch.is_sliding(layer) else 0
+
+    def _attention_options(self, arch: ModelArch, layer: int) -> AttentionOptions:
+        """HF Llama's attention_bias covers all four projections; Mistral's window applies."""
+        return AttentionOptions(
+            qkv_bias=arch.attention_bias,
+            o_bias=arch.attention_bias,
+            sliding_window=arch.window_of(layer),
+        )
+
+    def _make_attention(
+        self,
+        arch: ModelArch,
+        layer: int,
+        backend: AttentionBackend[Any],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> SelfAttention:
+        options = self._attention_options(arch, layer)
+        return LlamaAttention(arch, backend, options, tp=self.tp, dtype=dtype, device=device)
 
     def _make_mlp(
-        self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device
+        self, arch: ModelArch, layer: int, *, dtype: torch.dtype, device: torch.device
     ) -> FeedForward:
         return GatedMLP(
             arch.hidden_size, arch.intermediate_size, tp=self.tp, dtype=dtype, device=device
         )
+
+    def _make_layer(
+        self,
+        arch: ModelArch,
+        attn: SelfAttention,
+        mlp: FeedForward,
+        layer: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> DecoderLayer:
+        return DecoderLayer(arch, attn, mlp, norm=self.norm_class, dtype=dtype, device=device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm, for a flat token batch."""
         hidden = self._embed(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual: torch.Tensor | None = None
-        rope = self.rotary(positions)
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, meta)
+        ropes = [rotary(positions) for rotary in self.rotaries]
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(ropes[self.rope_index(i)], hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -274,10 +206,11 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]
 
     def bind_kv_cache(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Gives each layer its slice of the KV pool ([2, KVH, blocks, block_size, D] each)."""
+        """Gives each layer its slice of the KV pool ([2, KVH, blocks, block_size, D] each, or
+        [1, 1, ...] for latent attention)."""
         assert len(kv_caches) == len(self.layers), "one KV cache per layer"
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            cast(DecoderLayer, layer).self_attn.attn.kv_cache = cache
+            cast(PagedAttention, layer.get_submodule("self_attn.attn")).kv_cache = cache
 
     def weight_map(self) -> WeightMap:
         wm = WeightMap()
@@ -304,6 +237,15 @@ class LlamaForCausalLM(nn.Module):
         head = "model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"
         slots[head] = (self.lm_head, 0, 1)
         return slots
+
+    def lora_targets(self) -> LoRATargets:
+        """The projections LoRA adapters may adapt: each layer's attention and dense MLP ones."""
+        targets: LoRATargets = {}
+        for i, layer in enumerate(self.layers):
+            decoder = cast(DecoderLayer, layer)
+            targets.update(decoder.self_attn.lora_targets(f"model.layers.{i}"))
+            targets.update(decoder.mlp.lora_targets(f"model.layers.{i}"))
+        return targets
 
     def load_blocks(
         self, blocks: Iterable[tuple[str, QuantizedWeight]], kernel: QuantMatmulKernel
@@ -343,6 +285,21 @@ class LlamaForCausalLM(nn.Module):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on the q/k/v projections (never on o_proj)."""
 
-    @staticmethod
-    def _attention_biases(arch: ModelArch) -> tuple[bool, bool]:
-        return True, False
+    def _attention_options(self, arch: ModelArch, layer: int) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, sliding_window=arch.window_of(layer))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with an RMSNorm over each head of q and k before the rotation."""
+
+    def _attention_options(self, arch: ModelArch, layer: int) -> AttentionOptions:
+        return AttentionOptions(
+            qkv_bias=arch.attention_bias,
+            o_bias=arch.attention_bias,
+            qk_norm=RMSNorm,
+            sliding_window=arch.window_of(layer),
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama whose every layer attends within the sliding window (when it has one)."""

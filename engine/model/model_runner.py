@@ -20,15 +20,19 @@ from torch.profiler import record_function
 from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.kernels.quant_matmul import QuantizedWeight, load_quant_kernel
 from shoal.engine.loader import LazyTensor
+from shoal.engine.lora.adapter import AdapterError
+from shoal.engine.lora.config import LoRAConfig
 from shoal.engine.model.attention import (
     AttentionBatch,
     AttentionMetadata,
     select_attention_backend,
 )
 from shoal.engine.model.layers import can_pack_weights
+from shoal.engine.model.lora_model import LoRAModel
+from shoal.engine.model.pooler import Pooler
 from shoal.engine.model.registry import LlamaForCausalLM, get_model_class
 from shoal.engine.model.sampler import Sampler
-from shoal.engine.model.step_input import StepInput, plan_step
+from shoal.engine.model.step_input import PoolChunk, StepInput, plan_step
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.expert_parallel import ExpertParallel
 from shoal.engine.parallel.tensor_parallel import SINGLE, TensorParallel
@@ -85,6 +89,7 @@ class ModelRunner:
         device: "cpu", "cuda", "cuda:N" or "auto"; default: `model_config.device`.
         expert_parallel: this rank's share of an MoE model's experts and their exchange.
         tensor_parallel: this worker's place in its rank's TP group; default: the whole model.
+        lora_config: LoRA limits; LoRA is served when `enable_lora`.
     """
 
     def __init__(
@@ -98,20 +103,25 @@ class ModelRunner:
         device: torch.device | str | None = None,
         expert_parallel: ExpertParallel | None = None,
         tensor_parallel: TensorParallel | None = None,
+        lora_config: LoRAConfig | None = None,
     ):
         self.arch = arch
+        self.lora_config = lora_config if lora_config and lora_config.enable_lora else None
+        self.lora: LoRAModel | None = None
         self.expert_parallel = expert_parallel
         self.tp = tensor_parallel or SINGLE
-        self.num_kv_heads = self.tp.kv_head_shard(arch.num_key_value_heads).size
+        self.num_kv_heads = self.tp.kv_head_shard(arch.num_kv_cache_heads).size
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.device = resolve_device(model_config.device if device is None else device)
         self.dtype = resolve_dtype(model_config.dtype, arch, self.device)
-        self.block_size = cache_config.block_size
+        self.block_size = cache_config.kv_block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.sampler = Sampler(model_config.seed)
+        # A pooling engine (`--runner pooling`) pools its requests' states instead.
+        self.pooler = Pooler(model_config.pooler) if model_config.is_pooling else None
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-grammar")
         # Chosen once: the layers call it and never look at the device themselves.
         self.attention_backend = select_attention_backend(
@@ -120,7 +130,7 @@ class ModelRunner:
             dtype=self.dtype,
             num_heads=arch.num_attention_heads // self.tp.size,
             num_kv_heads=self.num_kv_heads,
-            head_dim=arch.head_dim,
+            head_dim=arch.kv_cache_head_dim,
         )
         # Persistent host buffers: a step writes its inputs here instead of allocating.
         self._input_ids = np.zeros(scheduler_config.max_num_batched_tokens, dtype=np.int64)
@@ -163,14 +173,32 @@ class ModelRunner:
             if kernel is not None:
                 model.load_blocks(blocks, kernel)
         self.model = model.eval()
+        if self.lora_config is not None:
+            targets = model.lora_targets()
+            self.lora = LoRAModel(targets, self.lora_config, dtype=self.dtype, device=self.device)
         if self.kv_cache is not None:
             self._bind_kv_cache()
+
+    def check_lora_adapter(self, path: str) -> str | None:
+        """Why the adapter folder at `path` cannot serve on this model, or None if it can."""
+        if self.lora is None:
+            return "LoRA is not enabled on this engine (start it with --enable-lora)"
+        try:
+            self.lora.check(path)
+        except AdapterError as e:
+            return str(e)
+        return None
+
+    def lora_disk_reads(self) -> int:
+        """LoRA adapters this worker read from their folders (0 without LoRA)."""
+        return 0 if self.lora is None else self.lora.num_disk_reads
 
     def bytes_per_block(self) -> int:
         """KV bytes of one block across all layers (this worker's KV heads only)."""
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * self.arch.num_hidden_layers * self.num_kv_heads * self.arch.head_dim
-        return self.block_size * per_token * dtype_bytes
+        arch = self.arch
+        per_layer = arch.num_kv_cache_parts * self.num_kv_heads * arch.kv_cache_head_dim
+        return self.block_size * arch.num_hidden_layers * per_layer * dtype_bytes
 
     def parameter_bytes(self) -> int:
         """Bytes of the weights this worker holds (packed copies counted as their dense size)."""
@@ -204,7 +232,8 @@ class ModelRunner:
         return int(total * self.cache_config.gpu_memory_utilization) - (total - free)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocates the block pool: one zeroed tensor [layers, 2, KVH, blocks, block_size, D].
+        """Allocates the block pool: one zeroed tensor [layers, 2, KVH, blocks, block_size, D]
+        ([layers, 1, 1, ...] for latent attention, which caches the latent only).
 
         Zeroed, not empty: padded decode rows read unused blocks, and 0 * NaN would leak.
         """
@@ -212,11 +241,11 @@ class ModelRunner:
         arch = self.arch
         shape = (
             arch.num_hidden_layers,
-            2,
+            arch.num_kv_cache_parts,
             self.num_kv_heads,
             num_blocks,
             self.block_size,
-            arch.head_dim,
+            arch.kv_cache_head_dim,
         )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
@@ -238,12 +267,15 @@ class ModelRunner:
         """
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        step, samplers = plan_step(scheduler_output, self.block_size)
-        return self.execute_step(step, samplers)
+        step, samplers, poolers = plan_step(scheduler_output, self.block_size)
+        return self.execute_step(step, samplers, poolers)
 
     @torch.inference_mode()
     def execute_step(
-        self, step: StepInput, samplers: Sequence[Request] | None
+        self,
+        step: StepInput,
+        samplers: Sequence[Request] | None,
+        poolers: Sequence[PoolChunk] = (),
     ) -> ModelRunnerOutput:
         """Runs one planned step (`plan_step`).
 
@@ -252,6 +284,7 @@ class ModelRunner:
             samplers: the requests of `step.sample_rows`, in order; None on a TP worker that is
                 not the driver: it joins the forward's and the logits' collectives, samples
                 nothing and returns an empty output.
+            poolers: the pooling requests' chunks (the driver's; a pooling engine only).
         """
         assert self.model is not None, "load_model first"
         assert self.kv_cache is not None, "initialize_kv_cache first"
@@ -261,8 +294,15 @@ class ModelRunner:
         # forward pass runs; nothing changes a grammar's state before the sampler reads it.
         grammars = [g for r in samplers or () if (g := r.grammar) is not None]
         bitmask = self._grammar_pool.submit(fill_bitmasks, grammars) if grammars else None
+        lora_errors = {}
+        if self.lora is not None:
+            lora_errors = self.lora.prepare(step.lora_requests, step.num_new_tokens)
         hidden = self.model(input_ids, positions, meta)
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(lora_errors=lora_errors)
+        if poolers:
+            assert self.pooler is not None, "pooling requests reached a generating engine"
+            with record_function("shoal::pool"):
+                output.pooled = self.pooler.pool(poolers, hidden)
         if not step.sample_rows:
             return output
         with record_function("shoal::sample"):
@@ -311,7 +351,9 @@ def _block_table(block_ids: list[list[int]]) -> np.ndarray:
     table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int64)
     for i, blocks in enumerate(block_ids):
         table[i, : len(blocks)] = blocks
-    return table
+    # Blocks a sliding window freed are -1 in the scheduler's tables; attention never reads
+    # them, and 0 keeps any masked load in bounds.
+    return np.maximum(table, 0, out=table)
 
 
 def _packed_bytes(model: torch.nn.Module) -> int:

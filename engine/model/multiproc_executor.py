@@ -146,11 +146,7 @@ class MultiprocExecutor(Executor):
         assert self.size > 1, "one worker runs in-process (UniProcExecutor)"
         timeout_s = config.parallel.collective_timeout_s
         device = resolve_device(config.model.device)
-        if device.type == "cpu" and config.model.cpu_threads is None:
-            # The workers share the rank's cores: N processes each at torch's default (every
-            # core) would oversubscribe them N times.
-            threads = max(1, torch.get_num_threads() // self.size)
-            config = replace(config, model=replace(config.model, cpu_threads=threads))
+        config = _sharing_cores(config, device, self.size)
         self._is_closing = False
         # One frame sequence at a time on the links: a call's frames and replies, or a step's.
         self._lock = threading.Lock()
@@ -221,10 +217,10 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        step, samplers = plan_step(scheduler_output, self.worker.model_runner.block_size)
+        step, samplers, poolers = plan_step(scheduler_output, self.worker.model_runner.block_size)
         with self._lock:
             self._send(WorkerCall(STEP, step=step))
-        return self.worker.model_runner.execute_step(step, samplers)
+        return self.worker.model_runner.execute_step(step, samplers, poolers)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         if method.startswith("_") or not callable(getattr(self.worker.model_runner, method, None)):
@@ -327,6 +323,16 @@ def join_group(
         store = connect_store(rendezvous, START_TIMEOUT_S)
         shm = ShmCollectives.join(store, rank, size, timeout_s, join_timeout_s=START_TIMEOUT_S)
     return TensorParallel(rank, size, groups, shm)
+
+
+def _sharing_cores(config: EngineConfig, device: torch.device, size: int) -> EngineConfig:
+    """On CPU, each of the `size` workers gets its share of the rank's cores (unless the config
+    says how many threads): N processes each at torch's default (every core) would
+    oversubscribe them N times."""
+    if device.type != "cpu" or config.model.cpu_threads is not None:
+        return config
+    threads = max(1, torch.get_num_threads() // size)
+    return replace(config, model=replace(config.model, cpu_threads=threads))
 
 
 def _worker_device(device: torch.device, rank: int) -> torch.device:

@@ -8,13 +8,29 @@ Every class takes `(arch, *, max_position, dtype, device)`, loads HF-named tenso
 from __future__ import annotations
 
 from shoal.engine.errors import ModelLoadError
-from shoal.engine.model.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from shoal.engine.model.mixtral import MixtralForCausalLM
+from shoal.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from shoal.engine.model.gemma3 import Gemma3ForCausalLM
+from shoal.engine.model.gpt_oss import GptOssForCausalLM
+from shoal.engine.model.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+from shoal.engine.model.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
+from shoal.engine.model.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -10,8 +10,11 @@ first, longest context first, then the prefill chunks, as the attention backends
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
+from shoal.engine.protocol import LoRARequest
 from shoal.engine.request import Request
 from shoal.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -26,6 +29,8 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         block_ids: per request, the KV blocks covering its context after this step.
         sample_rows: rows of the batch whose logits are sampled, one per sampling request, in
             the order of the driver's `samplers`.
+        lora_requests: per request, the LoRA adapter it runs with (or None); empty when no
+            request of the step has one.
     """
 
     starts: list[int]
@@ -33,6 +38,7 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     token_ids: list[int]
     block_ids: list[list[int]]
     sample_rows: list[int]
+    lora_requests: list[LoRARequest | None] = msgspec.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,18 +55,43 @@ class StepInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         return count
 
 
+@dataclass(frozen=True)
+class PoolChunk:
+    """A pooling request's rows in a step's batch (the driver's; never sent to workers).
+
+    Attributes:
+        request: the pooling request.
+        first_row: its chunk's first row in the batch.
+        num_rows: the chunk's tokens.
+        is_first: the chunk starts at the prompt's first token (a recompute starts afresh).
+        is_last: the chunk ends at the prompt's last token: the request pools now.
+    """
+
+    request: Request
+    first_row: int
+    num_rows: int
+    is_first: bool
+    is_last: bool
+
+
 def plan_step(
     scheduler_output: SchedulerOutput, block_size: int
-) -> tuple[StepInput, list[Request]]:
-    """The step's batch and the requests that sample in it (in `sample_rows` order).
+) -> tuple[StepInput, list[Request], list[PoolChunk]]:
+    """The step's batch, the requests that sample in it (in `sample_rows` order), and the
+    chunks of pooling requests (which never sample).
 
     Args:
         scheduler_output: a non-empty step; its requests' `num_computed_tokens` not yet advanced.
         block_size: tokens per KV block.
     """
     batch = order_batch(scheduler_output.scheduled)
-    starts, num_new, token_ids, block_ids, sample_rows = [], [], [], [], []
+    starts: list[int] = []
+    num_new: list[int] = []
+    token_ids: list[int] = []
+    block_ids: list[list[int]] = []
+    sample_rows: list[int] = []
     samplers: list[Request] = []
+    poolers: list[PoolChunk] = []
     for s in batch:
         start, n = s.start, s.num_new_tokens
         num_blocks = (start + n - 1) // block_size + 1
@@ -69,12 +100,18 @@ def plan_step(
         )
         starts.append(start)
         num_new.append(n)
+        first_row = len(token_ids)
         token_ids.extend(s.request.all_token_ids[start : start + n])
         block_ids.append(list(s.block_ids[:num_blocks]))
-        if s.samples:
+        if s.request.is_pooling:
+            poolers.append(PoolChunk(s.request, first_row, n, start == 0, s.samples))
+        elif s.samples:
             sample_rows.append(len(token_ids) - 1)
             samplers.append(s.request)
-    return StepInput(starts, num_new, token_ids, block_ids, sample_rows), samplers
+    loras = [s.request.lora_request for s in batch]
+    lora_requests = loras if any(lora is not None for lora in loras) else []
+    step = StepInput(starts, num_new, token_ids, block_ids, sample_rows, lora_requests)
+    return step, samplers, poolers
 
 
 def order_batch(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -18,7 +18,8 @@ import msgspec
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.loader import load_blocks, load_lazy_weights
+from shoal.engine.loader import load_blocks, load_lazy_weights, num_weights
+from shoal.engine.loader.progress import with_progress
 from shoal.engine.model.model_runner import ModelRunner
 from shoal.engine.model_arch import ModelArch
 from shoal.engine.parallel.distributed import Rendezvous
@@ -85,6 +86,7 @@ class Worker:
             expert_parallel=expert_parallel,
             tensor_parallel=tensor_parallel,
             device=device,
+            lora_config=config.lora,
         )
         cpu_threads = config.model.cpu_threads
         if cpu_threads is not None and cpu_threads < 1:
@@ -110,7 +112,11 @@ class Worker:
             ModelLoadError: the checkpoint cannot be read.
         """
         path = self.config.model.model
-        self.model_runner.load_model(load_lazy_weights(path), blocks=load_blocks(path))
+        weights = with_progress(load_lazy_weights(path), num_weights(path))
+        blocks = load_blocks(path)
+        if blocks is not None:  # a GGUF's quantized projections, for the CPU kernel
+            blocks = with_progress(blocks, 0, what="GGUF blocks", unit="projections")
+        self.model_runner.load_model(weights, blocks=blocks)
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()

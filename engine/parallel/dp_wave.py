@@ -182,7 +182,7 @@ class DPWave:
             if groups.is_superseded():
                 self._rejoin()
                 groups = self._groups()
-            store, key = groups.store, self._decision_key(self.current_wave)
+            store, key = groups.store, _decision_key(groups.generation, self.current_wave)
             if has_local_work:
                 decision = store.compare_set(key, "", "run").decode()
             elif ready_epoch and self._all_ready(ready_epoch):
@@ -210,7 +210,8 @@ class DPWave:
 
     def mark_ready(self, epoch: int) -> None:
         """Tells the peers this rank is ready to switch to resize `epoch`."""
-        self._groups().store.set(self._ready_key(epoch, self.rank), "1")
+        groups = self._groups()
+        groups.store.set(_ready_key(groups.generation, epoch, self.rank), "1")
 
     def end_turn(self, has_unfinished: bool, ready_epoch: int = 0) -> None:
         """Counts the turn's forward; every SYNC_INTERVAL forwards, pauses if no rank has work,
@@ -284,11 +285,8 @@ class DPWave:
 
     def _all_ready(self, epoch: int) -> bool:
         groups = self._groups()
-        keys = [self._ready_key(epoch, r) for r in range(groups.world_size)]
+        keys = [_ready_key(groups.generation, epoch, r) for r in range(groups.world_size)]
         return bool(groups.store.check(keys))
-
-    def _ready_key(self, epoch: int, rank: int) -> str:
-        return f"gen/{self._groups().generation}/switch_ready/{epoch}/{rank}"
 
     def _collective(self, call: Callable[[], _T]) -> _T:
         try:
@@ -316,8 +314,15 @@ class DPWave:
         assert self.groups is not None, "join first"
         return self.groups
 
-    def _decision_key(self, wave: int) -> str:
-        return f"gen/{self._groups().generation}/wave/{wave}"
+
+def _ready_key(generation: int, epoch: int, rank: int) -> str:
+    """The store key a rank sets once it is ready to switch to resize `epoch`."""
+    return f"gen/{generation}/switch_ready/{epoch}/{rank}"
+
+
+def _decision_key(generation: int, wave: int) -> str:
+    """The store key that holds the ranks' decision for `wave`."""
+    return f"gen/{generation}/wave/{wave}"
 
 
 def make_dp_wave(

@@ -144,12 +144,15 @@ class StagedLayerExperts:
 
     Dense: `w13` [n, 2I, H] (gate and up fused) and `w2` [n, H, I]; packed: one oneDNN-packed
     (gate_up, down) pair per expert, those of experts the layer already held shared with it.
+    Experts with biases (gpt-oss) have `w13_bias` [n, 2I] and `w2_bias` [n, H] either way.
     """
 
     expert_ids: tuple[int, ...]
     w13: torch.nn.Parameter | None = None
     w2: torch.nn.Parameter | None = None
     packed: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    w13_bias: torch.nn.Parameter | None = None
+    w2_bias: torch.nn.Parameter | None = None
 
 
 @dataclass(frozen=True, eq=False)

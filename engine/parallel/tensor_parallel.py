@@ -37,14 +37,14 @@ def check_tensor_parallel(arch: ModelArch, tensor_parallel_size: int) -> None:
 
     Raises:
         ValueError: a size below 1, or one that does not divide the attention heads, the KV
-            heads (or is not a multiple of them when larger) or the MLP width.
+            heads (or is not a multiple of them when larger) or an MLP's width.
     """
     tp = tensor_parallel_size
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
     if tp == 1:
         return
-    heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+    heads, kv_heads = arch.num_attention_heads, arch.num_kv_cache_heads
     if heads % tp:
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads"
@@ -58,12 +58,20 @@ def check_tensor_parallel(arch: ModelArch, tensor_parallel_size: int) -> None:
             f"tensor_parallel_size {tp} is not a multiple of the model's {kv_heads} KV heads "
             "(each KV head is replicated over a whole number of workers)"
         )
-    width = "expert MLP width" if arch.is_moe else "MLP width"
-    if arch.intermediate_size % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} does not divide the model's {width} "
-            f"{arch.intermediate_size}"
-        )
+    widths = {"MLP width": arch.intermediate_size}
+    if arch.is_moe:
+        widths = {"expert MLP width": arch.expert_intermediate_size}
+        if arch.mlp_only_layers:
+            widths["MLP width"] = arch.intermediate_size
+        if arch.num_shared_experts:
+            widths["shared experts' width"] = (
+                arch.num_shared_experts * arch.expert_intermediate_size
+            )
+    for what, width in widths.items():
+        if width % tp:
+            raise ValueError(
+                f"tensor_parallel_size {tp} does not divide the model's {what} {width}"
+            )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shoal.client.core_client import AsyncMPClient
+from shoal.client import AsyncMPClient
 from shoal.engine.protocol import EngineCoreOutput
 
 TIMEOUT_S = 10.0

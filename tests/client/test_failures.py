@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.core_client import AsyncMPClient, SyncMPClient
+from shoal.client import AsyncLLM, AsyncMPClient, SamplingParams, SyncMPClient
 from shoal.engine.core.engine_process import start_engine_process, stop_engine_process
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import (
@@ -81,7 +80,7 @@ async def test_killed_engine_fails_every_pending_consumer_within_two_seconds(
     await asyncio.sleep(0.2)
     assert not pending_call.done()
     # The pending call: an asyncio future, under a call id from uuid1's high 64 bits.
-    [(call_id, future)] = client.utility_results.items()
+    [(call_id, future)] = client.pending_calls.items()
     assert isinstance(future, asyncio.Future) and 0 <= call_id < 2**64
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -99,7 +98,7 @@ async def test_killed_engine_without_a_parent_link_is_noticed_by_the_socket_moni
     process, endpoint = start_engine_process(tiny_config(engine_checkpoint), engine_index=6)
     try:
         client = AsyncMPClient([endpoint])  # attached by address only: no process sentinel
-        assert client.engine_set.processes() == []
+        assert client.engine_set.process(6) is None
         await client.add_request_async(request("orphaned", max_tokens=200))
         await asyncio.wait_for(client.get_output_async(), 10)
         assert process.pid is not None
@@ -245,7 +244,7 @@ async def test_fatal_engine_error_reaches_the_async_client(engine_checkpoint: st
 
 _VICTIM_CLIENT = """
 import sys, time
-from shoal.client.core_client import SyncMPClient
+from shoal.client import SyncMPClient
 from shoal.engine.protocol import EngineCoreRequest, EngineEndpoint, SamplingParams
 endpoint = EngineEndpoint(0, bytes.fromhex(sys.argv[1]), sys.argv[2])
 client = SyncMPClient([endpoint], client_index=7)

@@ -18,10 +18,10 @@ def _modules_after(code: str) -> set[str]:
 
 def test_the_clients_import_without_torch() -> None:
     loaded = _modules_after(
-        "import shoal.client, shoal.client.async_llm, shoal.client.dp_client\n"
+        "import shoal.client, shoal.client.api.async_llm, shoal.client.routing.lb_client\n"
         "from shoal import AsyncLLM, SamplingParams"
     )
-    assert "shoal.client.async_llm" in loaded
+    assert "shoal.client.api.async_llm" in loaded
     assert "torch" not in loaded
 
 

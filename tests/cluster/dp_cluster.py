@@ -10,8 +10,8 @@ import pytest
 import pytest_asyncio
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.dp_client import DPLBAsyncMPClient
-from shoal.client.outputs import RequestOutput
+from shoal.client.api.outputs import RequestOutput
+from shoal.client.routing.lb_client import DPLBAsyncMPClient
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from shoal.client import AsyncLLM
-from shoal.client.dp_client import DPLBAsyncMPClient
+from shoal.client.routing.lb_client import DPLBAsyncMPClient
 
 
 def dplb_client(driver: AsyncLLM) -> DPLBAsyncMPClient:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from shoal.client import AsyncLLM
-from shoal.client.cluster_link import ClusterLink
-from shoal.client.mp_client import ENGINE_RETURN_WAIT_S
-from shoal.client.outputs import RequestOutput
+from shoal.client.api.outputs import RequestOutput
+from shoal.client.routing.cluster_link import ClusterLink
+from shoal.client.transport.attach_driver import ENGINE_RETURN_WAIT_S
 from shoal.cluster.launch import ClusterHandle, ClusterNotFoundError, launch
 from shoal.engine.config import EngineConfig
 from shoal.engine.errors import EngineDeadError

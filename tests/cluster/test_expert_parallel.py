@@ -16,8 +16,8 @@ import ray
 
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.migration import REASON_RANK_FAILED
-from shoal.client.outputs import RequestOutput
+from shoal.client.api.outputs import RequestOutput
+from shoal.client.routing.migration import REASON_RANK_FAILED
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.engine.config import EngineConfig

@@ -20,7 +20,7 @@ import ray
 import uvicorn
 
 from shoal.client import AsyncLLM, SamplingParams
-from shoal.client.migration import DEFAULT_MIGRATION_LIMIT, REASON_RANK_FAILED
+from shoal.client.routing.migration import DEFAULT_MIGRATION_LIMIT, REASON_RANK_FAILED
 from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
 from shoal.cluster.placement import RankResources
 from shoal.deploy.openai.app import build_app

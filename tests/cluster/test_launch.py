@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from shoal.actors.membership import Membership, RankState
-from shoal.client.core_client import SyncMPClient
+from shoal.client import SyncMPClient
 from shoal.cluster.launch import (
     READY_TIMEOUT_S,
     ClusterExistsError,

@@ -20,8 +20,8 @@ import ray
 
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM
-from shoal.client.cluster_link import ATTACH_TIMEOUT_S
-from shoal.client.outputs import RequestOutput
+from shoal.client.api.outputs import RequestOutput
+from shoal.client.routing.cluster_link import ATTACH_TIMEOUT_S
 from shoal.cluster.launch import ClusterHandle
 from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import DPStatsSnapshot

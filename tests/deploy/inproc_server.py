@@ -9,14 +9,16 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from shoal.client.async_llm import AsyncLLM
+from shoal.client.api.async_llm import AsyncLLM
 from shoal.deploy.openai.app import build_app
+from shoal.deploy.openai.limits import FrontEndLimits
+from shoal.deploy.openai.lora import LoRAModule, serve_lora_modules
 from shoal.deploy.openai.state import ServerState
 from shoal.deploy.openai.tools import ToolCallConfig
 from tests.factories import make_tiny_checkpoint
@@ -53,10 +55,13 @@ def serving_in_process(
     *,
     model_name: str = MODEL_NAME,
     api_key: str | None = None,
+    limits: FrontEndLimits | None = None,
+    lora_modules: Sequence[LoRAModule] = (),
     **engine_kwargs: Any,
 ) -> Iterator[str]:
-    """Serves `checkpoint` as `model_name` (requests need `api_key`, if given) until the block
-    exits; yields the base URL (…/v1 not included)."""
+    """Serves `checkpoint` as `model_name` (requests need `api_key`, if given; so do the admin
+    endpoints) and `lora_modules` until the block exits; yields the base URL (…/v1 not
+    included)."""
     port = free_port()
     ready = threading.Event()
     holder: dict[str, Any] = {}
@@ -64,7 +69,8 @@ def serving_in_process(
     async def main() -> None:
         kwargs = {"max_model_len": 256, "num_gpu_blocks_override": 64, **engine_kwargs}
         llm = AsyncLLM(checkpoint, **kwargs)
-        state = ServerState.make(llm, model_name, api_key)
+        state = ServerState.make(llm, model_name, api_key, limits=limits)
+        state.loras = serve_lora_modules(lora_modules, llm.config.lora, (model_name,))
         if tool_calls is not None:
             state.tool_calls = tool_calls
         config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")

@@ -93,14 +93,20 @@ def test_demo_streams_real_answers_from_both_ranks() -> None:
     assert "cluster stopped" in out
 
 
-def test_status_and_stop_without_ray_fail_fast_and_clearly() -> None:
-    for command in ("status", "stop"):
+def test_commands_on_a_cluster_without_ray_fail_fast_and_clearly() -> None:
+    for command, *flags in (
+        ("status",),
+        ("stop",),
+        ("scale", "--data-parallel-size", "1"),
+        ("drain", "--rank", "1"),
+    ):
         result = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "shoal.deploy",
                 command,
+                *flags,
                 "--address",
                 f"127.0.0.1:{free_port()}",
             ],
@@ -119,23 +125,56 @@ def test_format_status_shows_ranks_load_and_clients() -> None:
         "namespace": "prod", "model": "/m", "epoch": 4, "served_by": "host:1",
         "detached": False, "stopping": False,
         "ranks": [
-            {"rank": 0, "state": "ready", "incarnation": 2, "address": "tcp://h:1",
-             "load": {"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_cache_usage": 0.25,
+            {"rank": 0, "state": "ready", "engine": "vllm", "incarnation": 2,
+             "address": "tcp://h:1", "load": {"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_cache_usage": 0.25,
                       "step_counter": 40, "num_cached_blocks": 12,
                       "prefix_cache_queries_total": 800, "prefix_cache_hits_total": 600}},
             {"rank": 1, "state": "dead", "incarnation": 1, "address": None, "load": None},
+            {"rank": 2, "state": "starting", "incarnation": 0, "address": None, "load": None,
+             "pending": "loading weights 40% (108 of 272 tensors, 3.1 s)"},
         ],
         "clients": [{"client_index": 0, "name": "api-server", "attached_at": 0.0}],
     }  # fmt: skip
     lines = format_status(status).splitlines()
-    assert lines[0] == "namespace prod  model /m  epoch 4"
-    assert "host:1" in lines[1]
+    assert lines[0] == "namespace prod  model /m  membership epoch 4"
+    assert lines[1].startswith("served by `shoal serve`, process 1 on host (")
+    assert lines[3].split()[:4] == ["RANK", "STATE", "ENGINE", "RESTARTS"]
+    # Restarts count the incarnations after the first.
     assert lines[4].split() == [
-        "0", "ready", "2", "3", "1", "25.0%", "40", "12", "75.0%", "tcp://h:1"
+        "0", "ready", "vllm", "1", "3", "1", "25.0%", "40", "12", "75.0%", "tcp://h:1"
     ]  # fmt: skip
-    assert lines[5].split() == ["1", "dead", "1", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[5].split() == ["1", "dead", "-", "0", "-", "-", "-", "-", "-", "-", "-"]
+    # A rank still starting is pending, with what it waits for in the last column.
+    assert lines[6].split()[:4] == ["2", "pending", "-", "-"]
+    assert lines[6].endswith("  loading weights 40% (108 of 272 tensors, 3.1 s)")
+    legend = " ".join(lines[8:14])
+    for column in (
+        "ENGINE:",
+        "RESTARTS:",
+        "RUNNING, QUEUED:",
+        "KV USED:",
+        "STEPS:",
+        "CACHED:",
+        "HIT RATE:",
+    ):
+        assert column in legend, legend
     assert "clients: 1" in lines and "api-server" in lines[-1]
     assert "rank failures in the last 10 min: 0" in lines
+
+
+def test_format_status_says_who_keeps_the_cluster() -> None:
+    base = {
+        "namespace": "prod", "model": "/m", "epoch": 1, "served_by": None, "detached": True,
+        "stopping": False, "ranks": [], "clients": [],
+    }  # fmt: skip
+    assert format_status(base).splitlines()[1] == (
+        "detached: no process serves it; `shoal stop` tears it down"
+    )
+    served = {**base, "detached": False, "served_by": "vm:2174", "stopping": True}
+    assert format_status(served).splitlines()[1] == (
+        "served by `shoal serve`, process 2174 on vm (it stops the cluster on `shoal stop`)"
+        "  STOPPING"
+    )
 
 
 def test_format_status_counts_the_recent_rank_failures() -> None:

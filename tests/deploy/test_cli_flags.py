@@ -18,8 +18,9 @@ import ray
 
 from shoal.deploy import cli, serve
 from shoal.deploy.flags import HelpFormatter
+from shoal.deploy.openai.chat import load_chat_template
 from shoal.deploy.openai.errors import OpenAIError
-from shoal.deploy.openai.server import front_end_config, load_chat_template
+from shoal.deploy.openai.server import front_end_config
 from shoal.deploy.openai.state import ServerState
 from shoal.engine.config import EngineConfig, engine_kwargs_from_cli
 from tests.factories import make_tiny_checkpoint, make_tiny_gguf
@@ -83,7 +84,7 @@ def test_the_model_is_positional_or_a_flag_but_not_two_different_ones() -> None:
     [
         (["--pipeline-parallel-size", "4"], ["pipeline parallelism", "--data-parallel-size"]),
         (["--quantization", "awq"], ["--quantization", ".gguf"]),
-        (["--enable-lora"], ["--enable-lora", "merge"]),
+        (["--speculative-config", "{}"], ["speculative decoding"]),
     ],
 )
 def test_a_flag_for_a_missing_feature_is_refused_in_one_line(

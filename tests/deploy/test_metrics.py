@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.client.outputs import RequestMetrics
-from shoal.client.routing import RoutingStats
+from shoal.client.api.outputs import RequestMetrics
+from shoal.client.routing.router import RoutingStats
 from shoal.deploy.metrics import ServerMetrics, cache_config_labels
 from shoal.engine.config import CacheConfig
 from shoal.engine.protocol import EngineFacts, SchedulerStats
@@ -178,8 +178,8 @@ def test_migration_series_count_moves_and_losses_by_reason() -> None:
 def test_cache_config_info_labels_each_rank_with_its_kv_cache() -> None:
     cache = CacheConfig(block_size=32, enable_prefix_caching=False, num_gpu_blocks_override=64)
     facts = {
-        rank: EngineFacts(rank, b"id", "model", 256, num_kv_blocks, 32, 100)
-        for rank, num_kv_blocks in ((0, 64), (1, 48))
+        rank: EngineFacts(rank, b"id", "model", 256, num_kv_blocks, 32, 100, device=device)
+        for rank, num_kv_blocks, device in ((0, 64, "cpu"), (1, 48, "cuda"))
     }
     metrics = ServerMetrics(
         "m", dict, cache_config=lambda: {r: cache_config_labels(cache, f) for r, f in facts.items()}
@@ -196,6 +196,15 @@ def test_cache_config_info_labels_each_rank_with_its_kv_cache() -> None:
         "num_gpu_blocks_override": "64", "enable_prefix_caching": "False", "cache_dtype": "auto",
         "gpu_memory_utilization": "0.9", "kv_cache_memory_bytes": "None",
     }  # fmt: skip
+    # A rank on a CPU: its cache is sized in bytes, and no GPU share is claimed (an empty
+    # label is an absent one); a cluster of CPU ranks has no such label at all.
+    rank0 = dict(next(labels for labels in samples if ("engine", "0") in labels))
+    assert rank0["gpu_memory_utilization"] == "" and rank0["kv_cache_memory_bytes"] == "None"
+    cpu_only = ServerMetrics(
+        "m", dict, cache_config=lambda: {0: cache_config_labels(cache, facts[0])}
+    )
+    text = cpu_only.render()
+    assert b"vllm:cache_config_info{" in text and b"gpu_memory_utilization" not in text
     # No rank attached (a front end between clusters): no series.
     assert b"vllm:cache_config_info{" not in ServerMetrics("m", dict).render()
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -136,6 +137,36 @@ def test_chat_greedy_equal_llm_chat_streamed_or_not(client: openai.OpenAI, refer
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
 
 
+def test_responses_greedy_equal_llm_chat_streamed_or_not(
+    client: openai.OpenAI, reference: LLM
+) -> None:
+    expected = reference.chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say it."}],
+        SamplingParams(temperature=0.0, max_tokens=10),
+        use_tqdm=False,
+    )[0]
+    kwargs: Any = {
+        "model": MODEL_NAME,
+        "instructions": "Be brief.",
+        "input": "Say it.",
+        "temperature": 0.0,
+        "max_output_tokens": 10,
+    }
+    response = client.responses.create(**kwargs)
+    assert response.output_text == expected.outputs[0].text
+    assert response.usage is not None
+    assert response.usage.input_tokens == len(expected.prompt_token_ids)
+    is_cut = expected.outputs[0].finish_reason == "length"
+    assert response.status == ("incomplete" if is_cut else "completed")
+    events = list(client.responses.create(**kwargs, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected.outputs[0].text
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
+
+
 def test_n2_stop_strings_and_logprobs(client: openai.OpenAI) -> None:
     two = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=7,
@@ -249,6 +280,18 @@ def _wait_until_running(base_url: str) -> None:
         time.sleep(0.02)
 
 
+def _wait_until_no_request_in_flight(base_url: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        samples = scrape(base_url)
+        gauges = [k for k in samples if k.startswith("shoal:tenant_requests_in_flight{")]
+        assert gauges, "the front end exports no in-flight gauge"
+        if total(samples, "shoal:tenant_requests_in_flight") == 0:
+            return
+        assert time.monotonic() < deadline, "a request stayed in flight"
+        time.sleep(0.05)
+
+
 def _assert_freed_soon(base_url: str, within_s: float = 2.0) -> None:
     """No request running and no KV block in use within `within_s` of now."""
     since = time.monotonic()
@@ -278,8 +321,11 @@ def test_dropping_the_connection_mid_stream_frees_the_blocks(
 
 
 def test_dropping_the_connection_of_a_non_streamed_request_aborts_it(served: FrontEnd) -> None:
-    # An earlier test's request still running would finish during this one, and count.
+    # An earlier test's request still running would finish during this one, and count. The
+    # ranks' stats may show it ended before the front end has counted its finish; the
+    # front end's own in-flight gauge drops only after its handler (and the count) ended.
     _assert_freed_soon(served.base_url, within_s=60)
+    _wait_until_no_request_in_flight(served.base_url)
     finished_before = total(scrape(served.base_url), "vllm:request_success_total")
     host, port = served.base_url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(

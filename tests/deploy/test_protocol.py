@@ -96,3 +96,21 @@ def test_fields_shoal_cannot_honour_are_refused_each_with_its_message(
             inproc_client.completions.create(
                 model=MODEL_NAME, prompt="x", max_tokens=2, extra_body=fields
             )
+
+
+@pytest.mark.slow
+def test_a_prompt_past_the_context_is_the_same_400_from_either_endpoint(
+    inproc_client: openai.OpenAI,
+) -> None:
+    """Checked once, in tokens, before a request is made (this server's context: 1024)."""
+    too_long = "maximum context length is 1024 tokens; the request has"
+    with pytest.raises(openai.BadRequestError, match=too_long) as ids:
+        inproc_client.completions.create(model=MODEL_NAME, prompt=[5] * 1100, max_tokens=2)
+    assert ids.value.body["param"] == "prompt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match=f"{too_long} .* asks for 1100 more") as asks:
+        inproc_client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=1100)
+    assert asks.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match=too_long):
+        inproc_client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hello " * 1100}], max_tokens=2
+        )

@@ -143,7 +143,11 @@ def _request(**fields: Any) -> ChatCompletionRequest:
 
 def test_tool_choice_needs_tools_a_known_name_and_a_parser_for_auto() -> None:
     auto_on = ToolCallConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    assert tool_mode(_request(tools=TOOLS), ToolCallConfig()).kind == "none"
+    assert tool_mode(_request(), ToolCallConfig()).kind == "none"
+    assert tool_mode(_request(tools=TOOLS, tool_choice="none"), ToolCallConfig()).kind == "none"
+    # Tools without a choice mean auto, which needs the parser flags (vLLM's 400).
+    with pytest.raises(OpenAIError, match="--enable-auto-tool-choice"):
+        tool_mode(_request(tools=TOOLS), ToolCallConfig())
     assert tool_mode(_request(tools=TOOLS), auto_on).kind == "auto"
     assert tool_mode(_request(tools=TOOLS, tool_choice="none"), auto_on).kind == "none"
     with pytest.raises(OpenAIError, match="--enable-auto-tool-choice"):
@@ -163,9 +167,10 @@ def test_the_template_renders_tools_and_chat_template_kwargs(tmp_path: Any) -> N
     tokenizer = Tokenizer(backend, eos_token_ids=(0,), chat_template=template)
     request = _request(tools=TOOLS, chat_template_kwargs={"flag": True})
     prompt = render_chat(tokenizer, request.messages, True, template_variables(request))
-    assert '"name": "get_weather"' in prompt["prompt"] and prompt["prompt"].endswith("FLAG")
+    assert prompt.text is not None
+    assert '"name": "get_weather"' in prompt.text and prompt.text.endswith("FLAG")
     plain = render_chat(tokenizer, request.messages, True)
-    assert "get_weather" not in plain["prompt"]
+    assert plain.text is not None and "get_weather" not in plain.text
 
 
 def test_auto_streaming_sends_content_before_a_call_and_the_call_at_the_end() -> None:

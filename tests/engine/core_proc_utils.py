@@ -35,7 +35,8 @@ BLOCK_SIZE = 16
 
 
 # Messages no engine sends, as some other peer of a client's output socket might push them;
-# a client drops them, and the first five count as undecodable (`OutputDecoder.num_dropped`).
+# a client drops every one but the death notice of an engine it does not have
+# (`OutputClassifier.num_dropped`).
 MALFORMED_OUTPUT_MESSAGES: list[list[bytes | memoryview]] = [
     [b"\xc1 not msgpack"],
     [msgspec.msgpack.encode([0, [["r", "not a token list"]]])[:-3]],  # truncated

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine.config import CacheConfig, SchedulerConfig
+from shoal.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from shoal.engine.protocol import EngineCoreOutput, FinishReason, SamplingParams
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
@@ -42,6 +42,7 @@ def make_requests(
     id_prefix: str = "req",
     client_index: int = 0,
     eos_token_ids: tuple[int, ...] = (),
+    priority: int = 0,
     **sampling_kwargs: Any,
 ) -> list[Request]:
     """Requests with random prompts (`prefix` + random tokens), ids `{id_prefix}-{i}`.
@@ -63,6 +64,7 @@ def make_requests(
                 SamplingParams(**sampling_kwargs),
                 client_index=client_index,
                 eos_token_ids=eos_token_ids,
+                priority=priority,
             )
         )
     return requests
@@ -77,12 +79,14 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     max_model_len: int = 256,
+    scheduling_policy: SchedulingPolicy = "fcfs",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,

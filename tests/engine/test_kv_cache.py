@@ -1,10 +1,11 @@
-"""KVCacheManager and BlockPool: allocation, conservation, prefix hits, eviction order."""
+"""KVCacheManager and BlockPool: allocation, conservation, prefix hits, eviction order, and the
+blocks a sliding window frees."""
 
 from __future__ import annotations
 
 import pytest
 
-from shoal.engine.kv_cache import KVCacheManager
+from shoal.engine.kv_cache import FREED_BLOCK, KVCacheManager
 from shoal.engine.protocol import SamplingParams
 from shoal.engine.request import Request
 
@@ -26,7 +27,7 @@ def _compute(kv: KVCacheManager, request: Request, num_tokens: int | None = None
 
 
 def _assert_conserved(kv: KVCacheManager, *live: Request) -> None:
-    owned = [b for r in live for b in kv.get_block_ids(r.request_id)]
+    owned = [b for r in live for b in kv.get_block_ids(r.request_id) if b != FREED_BLOCK]
     free = list(kv.block_pool.free_block_ids())
     assert len(set(owned)) + len(free) == kv.num_blocks
     assert not set(owned) & set(free)
@@ -209,3 +210,46 @@ def test_a_freed_plain_block_is_reused_before_cached_ones() -> None:
     assert kv.allocate_slots(c, 8)  # takes the two plain blocks, evicting nothing
     assert kv.block_pool.num_cached_blocks == 2
     assert kv.get_computed_blocks(_request("d", list(range(9))))[1] == 8
+
+
+def test_a_sliding_window_frees_the_blocks_behind_it_and_keeps_them_cached() -> None:
+    kv = KVCacheManager(
+        num_blocks=12, block_size=BLOCK_SIZE, enable_prefix_caching=True, sliding_window=6
+    )
+    a = _request("a", list(range(30)))
+    _compute(kv, a, 8)
+    for end in (16, 24, 30):  # chunked prefill, 8 tokens a step
+        _advance(kv, a, end)
+    # The next query (position 30) sees positions 25..30: blocks 0-5 (positions 0-23) are
+    # behind the window, block 6 (24-27) is not.
+    assert kv.allocate_slots(a, 1)
+    table = kv.get_block_ids("a")
+    assert table[:6] == [FREED_BLOCK] * 6 and FREED_BLOCK not in table[6:]
+    _assert_conserved(kv, a)
+    # Freed, but still cached: the same prompt hits all of its full blocks but the last.
+    b = _request("b", list(range(30)))
+    computed, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 28 and len(computed) == 7
+    kv.free(a)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_window_hit_is_held_whole_for_its_first_step_then_trimmed() -> None:
+    kv = KVCacheManager(
+        num_blocks=16, block_size=BLOCK_SIZE, enable_prefix_caching=True, sliding_window=5
+    )
+    a = _request("a", list(range(20)))
+    _compute(kv, a)
+    kv.free(a)  # its blocks stay cached
+    b = _request("b", [*range(20), 99, 98])
+    _compute(kv, b)  # hits 20 tokens (5 blocks), computes 2
+    assert FREED_BLOCK not in kv.get_block_ids("b")
+    assert kv.allocate_slots(b, 1)  # position 22 sees 18..22: blocks 0-3 go
+    assert kv.get_block_ids("b")[:4] == [FREED_BLOCK] * 4
+    _assert_conserved(kv, b)
+
+
+def _advance(kv: KVCacheManager, request: Request, end: int) -> None:
+    assert kv.allocate_slots(request, end - request.num_computed_tokens)
+    request.num_computed_tokens = end
+    kv.cache_full_blocks(request)

@@ -12,6 +12,7 @@ import torch
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import is_gguf_path, load_model_arch, load_weights, smollm2_gguf_path
 from shoal.engine.loader.gguf_loader import unpermute_rotary_rows
+from shoal.engine.model_arch import SUPPORTED_ARCHITECTURES
 from tests.factories import (
     Arch,
     ConfigStyle,
@@ -247,16 +248,29 @@ def test_corrupt_safetensors(tmp_path: Path, damage: str) -> None:
 
 def test_unsupported_feature_is_refused(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path, "qwen2")
-    _edit_config(path, use_sliding_window=True)
-    with pytest.raises(ModelLoadError, match="sliding"):
+    _edit_config(path, hidden_act="gelu")
+    with pytest.raises(ModelLoadError, match="hidden_act 'gelu' is not supported"):
         load_model_arch(path)
+
+
+def test_qwen_sliding_layers_follow_use_sliding_window(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path, "qwen2", num_layers=3)
+    assert load_model_arch(path).sliding_window is None  # off unless use_sliding_window
+    _edit_config(path, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    config = json.loads((Path(path) / "config.json").read_text())
+    config.pop("layer_types", None)  # as a transformers 4.x config has it
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    arch = load_model_arch(path)
+    assert arch.sliding_window == 8
+    assert [arch.window_of(i) for i in range(3)] == [None, 8, 8]
+    assert arch.kv_window is None  # a full layer reads every block
 
 
 # --- GGUF ---------------------------------------------------------------------------------
 
 
 def test_rotary_unpermute_inverts_llama_cpp_permute() -> None:
-    from tests.factories import _llama_cpp_permute
+    from tests.gguf_factories import _llama_cpp_permute
 
     weight = torch.randn(3 * 8, 5)
     permuted = torch.from_numpy(_llama_cpp_permute(weight.numpy(), 3))
@@ -356,3 +370,41 @@ def test_smollm2_gguf_weights_equal_transformers() -> None:
         assert torch.equal(tensor, reference[name]), name
         num_seen += 1
     assert num_seen == len(reference)
+
+
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "mistral", "qwen3_moe", "phi3", "gpt_oss", "deepseek_v3"]
+)
+def test_newer_architectures_read_the_same_from_either_config_style(
+    tmp_path: Path, arch: Arch
+) -> None:
+    """transformers 4.x configs lack `layer_types` and `rope_parameters`: the windows, MoE
+    and latent attention facts come out the same from the switches they had instead."""
+    v5 = load_model_arch(make_tiny_checkpoint(tmp_path / "v5", arch))
+    v4 = load_model_arch(make_tiny_checkpoint(tmp_path / "v4", arch, config_style="v4"))
+    assert v4 == v5
+    assert v5.architecture in SUPPORTED_ARCHITECTURES
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "reason"),
+    [
+        ("phi3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4"),
+        ("phi3", {"partial_rotary_factor": 0.75}, "partial rotary"),
+    ],
+)
+def test_what_a_newer_architecture_does_not_implement_is_refused_at_load(
+    tmp_path: Path, arch: Arch, changes: dict[str, object], reason: str
+) -> None:
+    path = make_tiny_checkpoint(tmp_path, arch)
+    config_path = Path(path) / "config.json"
+    config = json.loads(config_path.read_text())
+    if "rope_scaling" in changes:
+        config.pop("rope_parameters", None)
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=reason):
+        load_model_arch(path)

@@ -12,12 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import yaml
 
 from tests.ray_utils import REPO_ROOT
 
 CHART_DIR = REPO_ROOT / "helm" / "shoal"
-CRD_DIR = REPO_ROOT.parent / "shared" / "kuberay-crds"
+# KubeRay's CRDs, in the `shared/` folder beside the checkout (a worktree's is one level up).
+CRD_DIR = next(
+    (
+        found
+        for root in (REPO_ROOT, REPO_ROOT.parent, REPO_ROOT.parent.parent)
+        if (found := root / "shared" / "kuberay-crds").is_dir()
+    ),
+    REPO_ROOT.parent / "shared" / "kuberay-crds",
+)
 RELEASE = "llm"
 NAMESPACE = "serving"
 
@@ -105,6 +114,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "api-key-existing-secret": {
         "server": {"apiKey": {"existingSecret": "prod-keys", "secretKey": "openai"}},
+    },
+    "tenants-secret": {
+        "server": {"tenants": {"existingSecret": "tenant-keys", "adminSecretKey": "admin"}},
     },
     "network-policy": {
         "rayAuth": {"secretName": "ray-token"},
@@ -199,3 +211,28 @@ def crd_schema(kind_plural: str) -> dict[str, Any]:
 
 def chart_path(*parts: str) -> Path:
     return CHART_DIR.joinpath(*parts)
+
+
+def _no_unknown_fields(schema: Any) -> Any:
+    """The CRD schema with every object closed: the API server prunes fields a structural
+    schema does not name, so a field it does not know would be dropped without a word."""
+    if isinstance(schema, list):
+        return [_no_unknown_fields(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {k: _no_unknown_fields(v) for k, v in schema.items()}
+    if (
+        "properties" in closed
+        and "additionalProperties" not in closed
+        and not closed.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
+@functools.cache
+def crd_validator(kind_plural: str) -> jsonschema.protocols.Validator:
+    """A validator of KubeRay's CRD `kind_plural`, every object in it closed."""
+    schema = _no_unknown_fields(crd_schema(kind_plural))
+    schema["properties"]["metadata"] = {"type": "object"}  # all the CRD says of it
+    return jsonschema.Draft7Validator(schema)

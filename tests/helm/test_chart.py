@@ -5,7 +5,6 @@ command line the head runs (every flag one that `shoal serve` parses).
 
 from __future__ import annotations
 
-import base64
 import copy
 import re
 import shlex
@@ -28,7 +27,7 @@ from tests.helm.rendering import (
     RELEASE,
     Rendered,
     chart_metadata,
-    crd_schema,
+    crd_validator,
     render,
     render_error,
     render_values,
@@ -111,30 +110,11 @@ def test_the_readmes_helm_install_renders_what_it_says(readme: Path) -> None:
 # --- schemas: KubeRay's CRDs and Kubernetes' own --------------------------------------------
 
 
-def _no_unknown_fields(schema: Any) -> Any:
-    """The CRD schema with every object closed: the API server prunes fields a structural
-    schema does not name, so a field it does not know would be dropped without a word."""
-    if isinstance(schema, list):
-        return [_no_unknown_fields(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {k: _no_unknown_fields(v) for k, v in schema.items()}
-    if (
-        "properties" in closed
-        and "additionalProperties" not in closed
-        and not closed.get("x-kubernetes-preserve-unknown-fields")
-    ):
-        closed["additionalProperties"] = False
-    return closed
-
-
 @pytest.fixture(scope="module")
 def raycluster_validator() -> jsonschema.protocols.Validator:
     if not CRD_DIR.is_dir():
         pytest.skip(f"the KubeRay CRDs are not at {CRD_DIR}")
-    schema = _no_unknown_fields(crd_schema("rayclusters"))
-    schema["properties"]["metadata"] = {"type": "object"}  # all the CRD says of it
-    return jsonschema.Draft7Validator(schema)
+    return crd_validator("rayclusters")
 
 
 @pytest.mark.parametrize("override", sorted(OVERRIDES))
@@ -310,92 +290,6 @@ def test_autoscaling_turns_on_kuberays_in_tree_autoscaler() -> None:
     assert "enableInTreeAutoscaling" not in render("defaults").raycluster["spec"]
 
 
-# --- the front end: Service, ServiceMonitor, API key, probes --------------------------------
-
-
-def test_service_reaches_the_heads_openai_and_metrics_ports() -> None:
-    rendered = render("api-key-secret")
-    service = rendered.one("Service")
-    assert service["spec"]["selector"] == {"ray.io/cluster": FULLNAME, "ray.io/node-type": "head"}
-    assert rendered.raycluster["metadata"]["name"] == FULLNAME  # KubeRay labels pods with it
-    ports = {p["name"]: p for p in rendered.head_container["ports"]}
-    for port in service["spec"]["ports"]:
-        assert port["targetPort"] in ports
-    assert ports["http"]["containerPort"] == 8000
-    argv = rendered.serve_argv()
-    assert argv[argv.index("--port") + 1] == "8000"
-    probe = rendered.head_container["readinessProbe"]
-    assert probe["httpGet"] == {"path": "/health", "port": "http"}
-    # Liveness asks only whether the front end answers: ranks that restart never trip it.
-    for name in ("startupProbe", "livenessProbe"):
-        assert rendered.head_container[name]["httpGet"] == {"path": "/version", "port": "http"}
-    assert rendered.head_container["startupProbe"]["failureThreshold"] == 60
-    assert "securityContext" not in rendered.head_container
-    hardened = render_values({"head": {"securityContext": {"allowPrivilegeEscalation": False}}})
-    assert hardened.head_container["securityContext"] == {"allowPrivilegeEscalation": False}
-
-    monitor = rendered.one("ServiceMonitor")
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"}
-    assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
-    labels = service["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert render("defaults").of_kind("ServiceMonitor") == []
-
-
-def test_api_key_reaches_shoal_from_a_secret_never_on_the_command_line() -> None:
-    rendered = render("api-key-secret")
-    secret = rendered.one("Secret")
-    assert base64.b64decode(secret["data"]["api-key"]).decode() == "sk-test-1234"
-    env = {e["name"]: e for e in rendered.head_container["env"]}
-    assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": secret["metadata"]["name"],
-        "key": "api-key",
-    }
-    assert "sk-test-1234" not in rendered.manifests["shoal/templates/raycluster.yaml"]
-    assert "--api-key" not in rendered.serve_argv()
-    # NOTES say how to read the key back from its Secret, never the key itself.
-    notes = rendered.manifests["shoal/templates/NOTES.txt"]
-    assert f"kubectl get secret {secret['metadata']['name']} -n {NAMESPACE}" in notes
-    assert "{.data.api-key}" in notes and "sk-test-1234" not in notes
-
-    existing = render("api-key-existing-secret")
-    assert existing.of_kind("Secret") == []
-    env = {e["name"]: e for e in existing.head_container["env"]}
-    assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "prod-keys",
-        "key": "openai",
-    }
-    assert "env" not in render("defaults").head_container
-
-
-# --- the Ray trust boundary: token auth, the dashboard, the NetworkPolicy -------------------
-
-
-def test_ray_token_auth_is_on_and_the_dashboard_stays_inside_the_pod() -> None:
-    defaults = render("defaults")
-    assert defaults.raycluster["spec"]["authOptions"] == {"mode": "token"}
-    params = defaults.raycluster["spec"]["headGroupSpec"]["rayStartParams"]
-    assert params["dashboard-host"] == "127.0.0.1"
-    service_ports = {p["port"] for p in defaults.one("Service")["spec"]["ports"]}
-    assert 8265 not in service_ports and 6379 not in service_ports
-    assert defaults.of_kind("NetworkPolicy") == []
-    named = render("network-policy").raycluster["spec"]["authOptions"]
-    assert named == {"mode": "token", "secretName": "ray-token"}
-    disabled = render_values({"rayAuth": {"mode": "disabled"}})
-    assert "authOptions" not in disabled.raycluster["spec"]
-
-
-def test_the_network_policy_admits_only_the_openai_and_metrics_ports_from_outside() -> None:
-    policy = render("network-policy").one("NetworkPolicy")["spec"]
-    release_pods = {"matchLabels": {"ray.io/cluster": FULLNAME}}
-    assert policy["podSelector"] == release_pods and policy["policyTypes"] == ["Ingress"]
-    inside, http, metrics = policy["ingress"]
-    assert inside == {"from": [{"podSelector": release_pods}]}  # every port, own pods only
-    assert http["ports"] == [{"port": 8000, "protocol": "TCP"}]
-    assert http["from"] == [{"namespaceSelector": {"matchLabels": {"name": "gateway"}}}]
-    assert metrics == {"ports": [{"port": 8080, "protocol": "TCP"}]}
-
-
 # --- the `shoal serve` command line ---------------------------------------------------------
 
 
@@ -487,3 +381,15 @@ def test_a_tensor_parallel_rank_reserves_one_gpu_per_worker() -> None:
     assert argv[argv.index("--num-gpus-per-rank") + 1] == "2"
     args = build_parser().parse_args(argv[1:])
     assert (args.tensor_parallel_size, args.num_gpus_per_rank) == (2, 2)
+
+
+def test_engine_vllm_runs_vllms_engine_from_the_image_variant_with_vllm() -> None:
+    assert "--engine" not in render("defaults").serve_argv()
+    rendered = render_values({"modelSpec": {"engine": "vllm"}})
+    argv = rendered.serve_argv()
+    assert argv[argv.index("--engine") + 1] == "vllm"
+    # The shoal-vllm target of deploy/docker/Dockerfile, unless a tag is given.
+    assert rendered.head_container["image"] == f"shoal:{shoal.__version__}-vllm"
+    pinned = render_values({"modelSpec": {"engine": "vllm"}, "image": {"tag": "mine"}})
+    assert pinned.head_container["image"] == "shoal:mine"
+    assert "/modelSpec/engine" in render_error({"modelSpec": {"engine": "sglang"}})

@@ -19,10 +19,13 @@ CANARY_BUDGET_S = 2.0
 class Canary:
     """A client asking for `/health` and a two-token completion, one after the other, on a
     fresh connection each, for as long as an attack runs. Like any client it retries a reset
-    connection or a 503 (a flood's side effects), but each request must succeed within 2 s."""
+    connection or a 503 (a flood's side effects), but each request must succeed within
+    `budget_s` (2 s; a test that judges only whether the canary is served gives it more, and
+    leaves the figure to `bench/attack.py`)."""
 
-    def __init__(self, base_url: str, api_key: str) -> None:
+    def __init__(self, base_url: str, api_key: str, budget_s: float = CANARY_BUDGET_S) -> None:
         self.base_url = base_url
+        self.budget_s = budget_s
         self.auth = {"Authorization": f"Bearer {api_key}"}
         self.latencies: list[float] = []
         self.errors: list[str] = []
@@ -37,7 +40,7 @@ class Canary:
         self.stop()
         assert self.latencies, "the canary made no request"
         assert not self.errors, self.errors
-        assert self.max_latency_s < CANARY_BUDGET_S, self.max_latency_s
+        assert self.max_latency_s < self.budget_s, self.max_latency_s
 
     def stop(self) -> None:
         self._stop.set()
@@ -67,9 +70,9 @@ class Canary:
     def _served_within_budget(self, url: str, data: dict[str, Any] | None) -> None:
         start = time.monotonic()
         outcome = ""
-        while time.monotonic() - start < CANARY_BUDGET_S:
+        while time.monotonic() - start < self.budget_s:
             try:
-                status, _ = request_json(url, data, self.auth, timeout_s=CANARY_BUDGET_S)
+                status, _ = request_json(url, data, self.auth, timeout_s=self.budget_s)
             except OSError as e:
                 outcome = repr(e)
             else:

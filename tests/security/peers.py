@@ -128,6 +128,8 @@ class KeyedPeer(WirePeer):
                         return tokens
 
     def close(self) -> None:
+        # The ZAP handler first: destroying the context closes its socket under its poll.
+        assert self.curve.close(), "the peer's ZAP handler did not stop"
         self.ctx.destroy(linger=0)
 
 

@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from shoal.actors.coordinator import CoordinatorActor
-from shoal.client.core_client import SyncMPClient
-from shoal.client.mp_client import EngineAttachError
+from shoal.client import SyncMPClient
+from shoal.client.transport.mp_client import EngineAttachError
 from shoal.engine.core.curve import CurveKeyPair, EngineKeys, curve_client
 from shoal.engine.protocol import (
     ENGINE_CORE_DEAD,

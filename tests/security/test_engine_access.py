@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from shoal.client.core_client import AsyncMPClient, EngineAttachError, SyncMPClient
+from shoal.client import AsyncMPClient, EngineAttachError, SyncMPClient
 from shoal.engine.core.curve import CurveKeyPair, curve_client
 from shoal.engine.errors import RequestError
 from shoal.engine.protocol import EngineHello, FinishReason, SamplingParams

@@ -142,16 +142,22 @@ def test_large_tokenize_requests_run_off_the_event_loop_and_need_the_key(
     assert request_json(f"{served.base_url}/tokenize", {"prompt": "a"})[0] == 401
     text = "the quick brown fox, " * (MAX_BODY // 24)
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(_post, served, "/tokenize", {"prompt": text}) for _ in range(3)]
+        began = time.monotonic()
+        futures = [
+            pool.submit(_post, served, "/tokenize", {"prompt": text}, 300.0) for _ in range(3)
+        ]
         health: list[float] = []
         while not all(f.done() for f in futures):
             start = time.monotonic()
             assert http_status(f"{served.base_url}/health") == 200
             health.append(time.monotonic() - start)
             time.sleep(0.02)
+        took = time.monotonic() - began
         counts = [f.result()[1]["count"] for f in futures]
     assert len(set(counts)) == 1 and counts[0] > 100_000
-    assert len(health) >= 5 and max(health) < 0.2, health
+    # The loop stays free while the three calls tokenize: /health keeps answering, each time in
+    # a small part of what the calls take together (relative, so a loaded machine slows both).
+    assert len(health) >= 5 and max(health) < took / 4, (health, took)
 
 
 def test_openapi_needs_the_key_and_resizes_need_the_admin_key(served: FrontEnd) -> None:

@@ -11,6 +11,12 @@
  * max / sum (online softmax) over tiles of LANES positions. A sequence with one partition writes
  * its output directly; longer ones leave (max, sum, unnormalised accumulator) per partition and
  * a second pass merges them.
+ *
+ * Per layer the kernels also take: a sliding window (0: none; a query at position i sees keys
+ * (i - window, i], and positions before it are never read, so their blocks may be gone), per
+ * query head sink logits (NULL: none; an extra softmax term with no value, gpt-oss), and a value
+ * width below the key width (latent attention: V is the first v_head_dim entries of each K row,
+ * and value_cache may be key_cache itself).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +31,7 @@
 #define SHOAL_OUT_OF_MEMORY -2
 
 /* Per-thread buffers live on the stack; these bound them (a few hundred KiB at most). */
-#define MAX_HEAD_DIM 512
+#define MAX_HEAD_DIM 576 /* latent attention: 512 + 64 */
 #define MAX_GROUP 64
 
 /* Vectors of LANES floats through GCC/Clang vector types, as wide as the target's registers
@@ -332,10 +338,10 @@ static ALWAYS_INLINE void prefetch_rows(const kv_view *kv, const char *cache, in
  * common sizes so the head_dim loops unroll. */
 static ALWAYS_INLINE void attend_range_impl(const kv_view *kv, int64_t pos_lo, int64_t pos_hi,
                                             const float *q, float *max, float *sum, float *acc,
-                                            const int64_t head_dim) {
+                                            const int64_t head_dim, const int64_t v_dim) {
     const int64_t group = kv->group;
     const int64_t row_bytes = head_dim * (kv->kv_dtype == SHOAL_KV_FLOAT32 ? 4 : 2);
-    float k_buf[TILE * head_dim], v_buf[TILE * head_dim], probs[group * TILE];
+    float k_buf[TILE * head_dim], v_buf[TILE * v_dim], probs[group * TILE];
     const float *k_rows[TILE], *v_rows[TILE];
     int64_t offsets[TILE];
     /* Per-lane running sums: reduced once at the end instead of once per tile. */
@@ -344,7 +350,7 @@ static ALWAYS_INLINE void attend_range_impl(const kv_view *kv, int64_t pos_lo, i
         max[g] = -INFINITY;
         lane_sum[g] = vsplat(0.0f);
     }
-    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+    memset(acc, 0, (size_t)(group * v_dim) * sizeof(float));
     for (int64_t pos = pos_lo; pos < pos_lo + PREFETCH_DISTANCE; pos += TILE) {
         prefetch_rows(kv, kv->key_cache, pos, pos_hi, row_bytes);
         prefetch_rows(kv, kv->value_cache, pos, pos_hi, row_bytes);
@@ -363,8 +369,8 @@ static ALWAYS_INLINE void attend_range_impl(const kv_view *kv, int64_t pos_lo, i
                 /* The old max is -inf before the first tile: the clamped exp is ~0 and what it
                  * scales is still zero. */
                 const float correction = exp_nonpositive(max[g] - tile_max);
-                float *ag = acc + g * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) ag[d] *= correction;
+                float *ag = acc + g * v_dim;
+                for (int64_t d = 0; d < v_dim; d++) ag[d] *= correction;
                 lane_sum[g] *= correction;
                 max[g] = tile_max;
             }
@@ -375,35 +381,40 @@ static ALWAYS_INLINE void attend_range_impl(const kv_view *kv, int64_t pos_lo, i
             vstore(probs + g * TILE, p);
         }
         prefetch_rows(kv, kv->value_cache, pos + PREFETCH_DISTANCE, pos_hi, row_bytes);
-        tile_rows(v_rows, kv->value_cache, offsets, n, kv->kv_dtype, v_buf, head_dim);
+        tile_rows(v_rows, kv->value_cache, offsets, n, kv->kv_dtype, v_buf, v_dim);
         for (int64_t g = 0; g < group; g++)
-            accumulate_tile(acc + g * head_dim, probs + g * TILE, v_rows, n, head_dim);
+            accumulate_tile(acc + g * v_dim, probs + g * TILE, v_rows, n, v_dim);
     }
     for (int64_t g = 0; g < group; g++) sum[g] = vsum_lanes(lane_sum[g]);
 }
 
 static void attend_range(const kv_view *kv, int64_t pos_lo, int64_t pos_hi, const float *q,
-                         float *max, float *sum, float *acc, int64_t head_dim) {
-    switch (head_dim) {
-    case 64:
-        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, 64);
-        break;
-    case 128:
-        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, 128);
-        break;
-    default:
-        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, head_dim);
-    }
+                         float *max, float *sum, float *acc, int64_t head_dim, int64_t v_dim) {
+    if (head_dim == 64 && v_dim == 64)
+        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, 64, 64);
+    else if (head_dim == 128 && v_dim == 128)
+        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, 128, 128);
+    else
+        attend_range_impl(kv, pos_lo, pos_hi, q, max, sum, acc, head_dim, v_dim);
+}
+
+/* Folds a sink logit (an extra softmax term whose value is zero) into one head's state:
+ * returns the factor that scales its accumulator and the new normaliser in *sum. */
+static float fold_sink(float sink, float max, float *sum) {
+    const float m = sink > max ? sink : max;
+    const float correction = exp_nonpositive(max - m);
+    *sum = *sum * correction + exp_nonpositive(sink - m);
+    return correction;
 }
 
 /* Merges `num_parts` partition states (`state_stride` / `acc_stride` floats apart) into out. */
 static void merge_partitions(const float *max, const float *sum, const float *acc,
                              int64_t num_parts, int64_t state_stride, int64_t acc_stride,
-                             int64_t head_dim, float *out) {
-    float global_max = -INFINITY;
+                             int64_t head_dim, const float *sink, float *out) {
+    float global_max = sink != NULL ? *sink : -INFINITY;
     for (int64_t p = 0; p < num_parts; p++)
         global_max = max[p * state_stride] > global_max ? max[p * state_stride] : global_max;
-    float total = 0.0f;
+    float total = sink != NULL ? exp_nonpositive(*sink - global_max) : 0.0f;
     for (int64_t d = 0; d < head_dim; d++) out[d] = 0.0f;
     for (int64_t p = 0; p < num_parts; p++) {
         const float w = exp_nonpositive(max[p * state_stride] - global_max);
@@ -417,15 +428,25 @@ static void merge_partitions(const float *max, const float *sum, const float *ac
     for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
 }
 
+/* The first position a decode of context `len` reads: all of them, or the last `window`. */
+static ALWAYS_INLINE int64_t first_visible(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /*
- * out[s, h, :] = softmax(scale * q[s, h] . K[s, kvh, 0:len]) V[s, kvh, 0:len], kvh = h / group.
+ * out[s, h, :] = softmax(scale * q[s, h] . K[s, kvh, lo:len]) V[s, kvh, lo:len], kvh = h / group,
+ * lo = first_visible(len, window); with sinks, the softmax has one more term exp(sinks[h]).
  *
- * out, query: fp32, element strides per sequence and per head; head_dim contiguous.
+ * out: fp32 [.., num_heads, v_head_dim], query: fp32 [.., num_heads, head_dim], element strides
+ *   per sequence and per head; the last dim contiguous.
  * key_cache, value_cache: one layer's pool [num_kv_heads, num_blocks, block_size, head_dim]
- *   (fp32 or bf16 per kv_dtype), element strides per head / block / token; head_dim contiguous.
- * block_tables: int32 [num_seqs, >= ceil(len / block_size)], row stride block_table_stride.
+ *   (fp32 or bf16 per kv_dtype), element strides per head / block / token; head_dim contiguous;
+ *   values are the first v_head_dim (<= head_dim) entries of value_cache's rows.
+ * block_tables: int32 [num_seqs, >= ceil(len / block_size)], row stride block_table_stride;
+ *   entries before the window are never read.
  * context_lens: int32 [num_seqs], each >= 1.
  * partition_blocks: blocks per work item (>= 1); num_threads: OpenMP threads to use.
+ * window: 0 or the sliding window; sinks: NULL or fp32 [num_heads].
  * Returns SHOAL_OK, SHOAL_BAD_ARGUMENT or SHOAL_OUT_OF_MEMORY.
  */
 int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out_head_stride,
@@ -435,18 +456,21 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
                                  int64_t kv_block_stride, int64_t kv_token_stride, int kv_dtype,
                                  const int32_t *block_tables, int64_t block_table_stride,
                                  const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 int64_t partition_blocks, float scale, int num_threads) {
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
+                                 int64_t block_size, int64_t partition_blocks, int64_t window,
+                                 const float *sinks, float scale, int num_threads) {
     if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 ||
-        head_dim > MAX_HEAD_DIM || num_heads / num_kv_heads > MAX_GROUP || block_size < 1 ||
-        partition_blocks < 1 || num_threads < 1 ||
+        head_dim > MAX_HEAD_DIM || v_head_dim < 1 || v_head_dim > head_dim ||
+        num_heads / num_kv_heads > MAX_GROUP || block_size < 1 || partition_blocks < 1 ||
+        window < 0 || num_threads < 1 ||
         (kv_dtype != SHOAL_KV_FLOAT32 && kv_dtype != SHOAL_KV_BFLOAT16))
         return SHOAL_BAD_ARGUMENT;
     if (num_seqs == 0) return SHOAL_OK;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t elem = kv_dtype == SHOAL_KV_FLOAT32 ? 4 : 2;
 
-    /* part_start[s]: index of sequence s's first partition in the flat partition list. */
+    /* part_start[s]: index of sequence s's first partition in the flat partition list;
+     * partitions cover the blocks from the one holding its first visible position. */
     int64_t *part_start = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
     if (part_start == NULL) return SHOAL_OUT_OF_MEMORY;
     part_start[0] = 0;
@@ -457,7 +481,9 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
             return SHOAL_BAD_ARGUMENT;
         }
         const int64_t num_blocks = (context_lens[s] + block_size - 1) / block_size;
-        const int64_t num_parts = (num_blocks + partition_blocks - 1) / partition_blocks;
+        const int64_t first_block = first_visible(context_lens[s], window) / block_size;
+        const int64_t num_parts =
+            (num_blocks - first_block + partition_blocks - 1) / partition_blocks;
         part_start[s + 1] = part_start[s] + num_parts;
         if (num_parts > 1) num_split_parts += num_parts;
     }
@@ -465,8 +491,8 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
     /* Flat partition -> sequence, and each split partition's slot in the scratch state. */
     int64_t *part_seq = malloc((size_t)num_parts_total * sizeof(int64_t));
     int64_t *part_slot = malloc((size_t)num_parts_total * sizeof(int64_t));
-    /* Per split partition and query head: max, sum, then head_dim accumulators. */
-    const int64_t state_floats = head_dim + 2;
+    /* Per split partition and query head: max, sum, then v_head_dim accumulators. */
+    const int64_t state_floats = v_head_dim + 2;
     float *state = num_split_parts == 0
                        ? NULL
                        : malloc((size_t)(num_split_parts * num_heads * state_floats) *
@@ -492,11 +518,12 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
     for (int64_t item = 0; item < num_items; item++) {
         const int64_t part = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t s = part_seq[part];
-        const int64_t block_lo = (part - part_start[s]) * partition_blocks;
-        const int64_t num_blocks = (context_lens[s] + block_size - 1) / block_size;
-        const int64_t block_hi =
-            block_lo + partition_blocks < num_blocks ? block_lo + partition_blocks : num_blocks;
-        float q[group * head_dim], acc[group * head_dim], max[group], sum[group];
+        const int64_t len = context_lens[s], lo = first_visible(len, window);
+        const int64_t block_lo = lo / block_size + (part - part_start[s]) * partition_blocks;
+        const int64_t pos_lo = block_lo * block_size > lo ? block_lo * block_size : lo;
+        const int64_t pos_end = (block_lo + partition_blocks) * block_size;
+        const int64_t pos_hi = pos_end < len ? pos_end : len;
+        float q[group * head_dim], acc[group * v_head_dim], max[group], sum[group];
         for (int64_t g = 0; g < group; g++) {
             const float *src =
                 query + s * query_seq_stride + (kv_head * group + g) * query_head_stride;
@@ -511,22 +538,21 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
                             block_size,
                             kv_dtype,
                             group};
-        const int64_t pos_hi = block_hi * block_size < context_lens[s] ? block_hi * block_size
-                                                                       : context_lens[s];
-        attend_range(&kv, block_lo * block_size, pos_hi, q, max, sum, acc, head_dim);
+        attend_range(&kv, pos_lo, pos_hi, q, max, sum, acc, head_dim, v_head_dim);
         for (int64_t g = 0; g < group; g++) {
             const int64_t head = kv_head * group + g;
-            const float *ag = acc + g * head_dim;
+            float *ag = acc + g * v_head_dim;
             if (part_slot[part] < 0) {
                 float *dst = out + s * out_seq_stride + head * out_head_stride;
-                const float inv = 1.0f / sum[g];
+                const float kept = sinks != NULL ? fold_sink(sinks[head], max[g], &sum[g]) : 1.0f;
+                const float inv = kept / sum[g];
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = ag[d] * inv;
+                for (int64_t d = 0; d < v_head_dim; d++) dst[d] = ag[d] * inv;
             } else {
                 float *st = state + (part_slot[part] * num_heads + head) * state_floats;
                 st[0] = max[g];
                 st[1] = sum[g];
-                memcpy(st + 2, ag, (size_t)head_dim * sizeof(float));
+                memcpy(st + 2, ag, (size_t)v_head_dim * sizeof(float));
             }
         }
     }
@@ -540,7 +566,8 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
             if (num_parts < 2) continue;
             const float *st = state + (part_slot[first] * num_heads + head) * state_floats;
             const int64_t stride = num_heads * state_floats;
-            merge_partitions(st, st + 1, st + 2, num_parts, stride, stride, head_dim,
+            merge_partitions(st, st + 1, st + 2, num_parts, stride, stride, v_head_dim,
+                             sinks != NULL ? sinks + head : NULL,
                              out + s * out_seq_stride + head * out_head_stride);
         }
     }
@@ -569,23 +596,32 @@ int shoal_paged_decode_attention(float *out, int64_t out_seq_stride, int64_t out
  * cover the FMA latency, few enough to stay in registers beside the tile's probabilities. */
 #define ACC_CHUNK 8
 
-static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, int64_t q_pos0,
-                                            int64_t num_q, float *acc_out, float *l_out,
-                                            const int64_t head_dim) {
-    const int64_t key_end = q_pos0 + num_q; /* keys [0, key_end) */
-    vfloat acc[head_dim];
-    for (int64_t d = 0; d < head_dim; d++) acc[d] = vsplat(0.0f);
+/* One prefill work item's keys: [lo, q_pos0 + num_q) for lanes at positions q_pos0 + t, each
+ * seeing (its position - window, its position] (window 0: from key 0). Leaves the per-lane
+ * accumulators, normaliser and running max for the caller to normalise. */
+typedef struct {
+    int64_t q_pos0, num_q, window, head_dim, v_dim;
+} prefill_span;
+
+static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, prefill_span sp,
+                                            float *acc_out, float *l_out, float *m_out,
+                                            const int64_t head_dim, const int64_t v_dim) {
+    const int64_t q_pos0 = sp.q_pos0, window = sp.window;
+    const int64_t key_end = q_pos0 + sp.num_q; /* keys [key_lo, key_end) */
+    const int64_t key_lo = window > 0 && q_pos0 + 1 > window ? q_pos0 + 1 - window : 0;
+    vfloat acc[v_dim];
+    for (int64_t d = 0; d < v_dim; d++) acc[d] = vsplat(0.0f);
     vfloat m = vsplat(-INFINITY), l = vsplat(0.0f);
     vint lane;
     for (int j = 0; j < LANES; j++) lane[j] = j;
-    float k_buf[KEY_TILE * head_dim], v_buf[KEY_TILE * head_dim];
+    float k_buf[KEY_TILE * head_dim], v_buf[KEY_TILE * v_dim];
     const float *k_rows[KEY_TILE], *v_rows[KEY_TILE];
     int64_t offsets[KEY_TILE];
-    for (int64_t pos = 0; pos < key_end; pos += KEY_TILE) {
+    for (int64_t pos = key_lo; pos < key_end; pos += KEY_TILE) {
         const int64_t n = key_end - pos < KEY_TILE ? key_end - pos : KEY_TILE;
         row_offsets(kv, pos, n, offsets);
         tile_rows(k_rows, kv->key_cache, offsets, n, kv->kv_dtype, k_buf, head_dim);
-        tile_rows(v_rows, kv->value_cache, offsets, n, kv->kv_dtype, v_buf, head_dim);
+        tile_rows(v_rows, kv->value_cache, offsets, n, kv->kv_dtype, v_buf, v_dim);
         /* A short last tile repeats row 0: its scores are masked and its weights are 0. */
         for (int64_t j = n; j < KEY_TILE; j++) {
             k_rows[j] = k_rows[0];
@@ -597,18 +633,23 @@ static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, 
             const vfloat q = vload(qt + d * LANES);
             for (int64_t j = 0; j < KEY_TILE; j++) s[j] += q * k_rows[j][d];
         }
-        /* Causal mask: key pos + j is visible to lane t when pos + j <= q_pos0 + t. */
-        const int needs_mask = pos + KEY_TILE - 1 > q_pos0 || n < KEY_TILE;
+        /* Causal mask: key pos + j is visible to lane t when pos + j <= q_pos0 + t (and, with a
+         * window, q_pos0 + t - (pos + j) < window). */
+        const int needs_mask = pos + KEY_TILE - 1 > q_pos0 || n < KEY_TILE || window > 0;
         vfloat tile_max = vsplat(-INFINITY);
         for (int64_t j = 0; j < KEY_TILE; j++) {
             if (needs_mask) {
-                const vint visible = (lane + (int32_t)(q_pos0 - pos - j)) >= 0;
+                const vint ahead = lane + (int32_t)(q_pos0 - pos - j);
+                vint visible = ahead >= 0;
+                if (window > 0) visible &= ahead < (int32_t)window;
                 s[j] = j < n ? vselect(visible, s[j], vsplat(-INFINITY)) : vsplat(-INFINITY);
             }
             tile_max = vmax(tile_max, s[j]);
         }
         const vfloat m_new = vmax(m, tile_max);
-        /* m is -inf only before the first tile, which always holds key 0 (visible to all). */
+        /* m is -inf only before the first tile, which holds a key every real lane sees: the
+         * first of lane 0's window, and lane t's first lies at most t < KEY_TILE keys later.
+         * (A padding lane may see none; its NaNs stay in its lane and are never stored.) */
         const vfloat correction = vexp_nonpositive(m - m_new);
         m = m_new;
         vfloat tile_sum = vsplat(0.0f);
@@ -617,8 +658,8 @@ static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, 
             tile_sum += s[j];
         }
         l = l * correction + tile_sum;
-        for (int64_t d0 = 0; d0 < head_dim; d0 += ACC_CHUNK) {
-            const int64_t dn = head_dim - d0 < ACC_CHUNK ? head_dim - d0 : ACC_CHUNK;
+        for (int64_t d0 = 0; d0 < v_dim; d0 += ACC_CHUNK) {
+            const int64_t dn = v_dim - d0 < ACC_CHUNK ? v_dim - d0 : ACC_CHUNK;
             vfloat a[ACC_CHUNK];
             for (int64_t c = 0; c < ACC_CHUNK; c++)
                 if (c < dn) a[c] = acc[d0 + c] * correction;
@@ -631,30 +672,31 @@ static ALWAYS_INLINE void prefill_item_impl(const kv_view *kv, const float *qt, 
                 if (c < dn) acc[d0 + c] = a[c];
         }
     }
-    for (int64_t d = 0; d < head_dim; d++) vstore(acc_out + d * LANES, acc[d]);
+    for (int64_t d = 0; d < v_dim; d++) vstore(acc_out + d * LANES, acc[d]);
     vstore(l_out, l);
+    vstore(m_out, m);
 }
 
-static void prefill_item(const kv_view *kv, const float *qt, int64_t q_pos0, int64_t num_q,
-                         float *acc_out, float *l_out, int64_t head_dim) {
-    switch (head_dim) {
-    case 64:
-        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, 64);
-        break;
-    case 128:
-        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, 128);
-        break;
-    default:
-        prefill_item_impl(kv, qt, q_pos0, num_q, acc_out, l_out, head_dim);
-    }
+static void prefill_item(const kv_view *kv, const float *qt, prefill_span sp, float *acc_out,
+                         float *l_out, float *m_out) {
+    if (sp.head_dim == 64 && sp.v_dim == 64)
+        prefill_item_impl(kv, qt, sp, acc_out, l_out, m_out, 64, 64);
+    else if (sp.head_dim == 128 && sp.v_dim == 128)
+        prefill_item_impl(kv, qt, sp, acc_out, l_out, m_out, 128, 128);
+    else
+        prefill_item_impl(kv, qt, sp, acc_out, l_out, m_out, sp.head_dim, sp.v_dim);
 }
 
 /*
- * out[q_starts[s] + i, h, :] = softmax(scale * q . K[s, kvh, 0:start_pos[s] + i + 1]) V[...]
- * for every chunk s and i < q_lens[s]; kvh = h / (num_heads / num_kv_heads).
+ * out[q_starts[s] + i, h, :] = softmax(scale * q . K[s, kvh, lo:p + 1]) V[...] at position
+ * p = start_pos[s] + i, lo = max(0, p + 1 - window) (0 without a window), for every chunk s
+ * and i < q_lens[s]; kvh = h / (num_heads / num_kv_heads); with sinks, the softmax has one more
+ * term exp(sinks[h]).
  *
- * out, query: fp32, element strides per token and per head; head_dim contiguous.
- * key_cache, value_cache, kv strides, kv_dtype: as for shoal_paged_decode_attention.
+ * out: fp32 [.., num_heads, v_head_dim], query: fp32 [.., num_heads, head_dim], element strides
+ *   per token and per head; the last dim contiguous.
+ * key_cache, value_cache, kv strides, kv_dtype, v_head_dim, window, sinks: as for
+ *   shoal_paged_decode_attention.
  * block_tables: int32 [num_seqs, >= ceil((start_pos + q_len) / block_size)].
  * q_starts, q_lens, start_pos: int32 [num_seqs]; q_lens >= 1, start_pos >= 0.
  * Returns SHOAL_OK or SHOAL_BAD_ARGUMENT.
@@ -667,10 +709,12 @@ int shoal_paged_prefill_attention(float *out, int64_t out_tok_stride, int64_t ou
                                   const int32_t *block_tables, int64_t block_table_stride,
                                   const int32_t *q_starts, const int32_t *q_lens,
                                   const int32_t *start_pos, int64_t num_seqs, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t v_head_dim,
+                                  int64_t block_size, int64_t window, const float *sinks,
                                   float scale, int num_threads) {
     if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 ||
-        head_dim > MAX_HEAD_DIM || block_size < 1 || num_threads < 1 ||
+        head_dim > MAX_HEAD_DIM || v_head_dim < 1 || v_head_dim > head_dim || block_size < 1 ||
+        window < 0 || num_threads < 1 ||
         (kv_dtype != SHOAL_KV_FLOAT32 && kv_dtype != SHOAL_KV_BFLOAT16))
         return SHOAL_BAD_ARGUMENT;
     int64_t num_tiles = 0;
@@ -700,7 +744,7 @@ int shoal_paged_prefill_attention(float *out, int64_t out_tok_stride, int64_t ou
         const int64_t s = tile_seq[2 * tile], i0 = tile_seq[2 * tile + 1];
         const int64_t num_q = q_lens[s] - i0 < LANES ? q_lens[s] - i0 : LANES;
         const int64_t kv_head = head / group;
-        float qt[head_dim * LANES], acc[head_dim * LANES], l[LANES];
+        float qt[head_dim * LANES], acc[v_head_dim * LANES], l[LANES], m[LANES];
         for (int64_t lane_i = 0; lane_i < LANES; lane_i++) {
             if (lane_i < num_q) {
                 const float *src = query + (q_starts[s] + i0 + lane_i) * query_tok_stride +
@@ -718,12 +762,14 @@ int shoal_paged_prefill_attention(float *out, int64_t out_tok_stride, int64_t ou
                             block_size,
                             kv_dtype,
                             group};
-        prefill_item(&kv, qt, start_pos[s] + i0, num_q, acc, l, head_dim);
+        const prefill_span span = {start_pos[s] + i0, num_q, window, head_dim, v_head_dim};
+        prefill_item(&kv, qt, span, acc, l, m);
         for (int64_t lane_i = 0; lane_i < num_q; lane_i++) {
             float *dst =
                 out + (q_starts[s] + i0 + lane_i) * out_tok_stride + head * out_head_stride;
-            const float inv = 1.0f / l[lane_i];
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d * LANES + lane_i] * inv;
+            const float kept = sinks != NULL ? fold_sink(sinks[head], m[lane_i], &l[lane_i]) : 1.0f;
+            const float inv = kept / l[lane_i];
+            for (int64_t d = 0; d < v_head_dim; d++) dst[d] = acc[d * LANES + lane_i] * inv;
         }
     }
     free(tile_seq);

@@ -9,18 +9,22 @@
  *                          weight j + 16 (high nibble).
  *   Q8_0 block (34 bytes): fp16 d, 32 int8 q.
  *
- * Two forms; OpenMP threads split the rows of W in both, so every block is read from memory
+ * Three forms; OpenMP threads split the rows of W in each, so every block is read from memory
  * once per call:
- *   few rows (fewer than GROUP_MIN_ROWS, or any count without AVX-512): one row of W at a
- *     time, each block's quants widened to four 8-float vectors once per tile of up to 8 rows
- *     of x, the block's scale factored out of its sum: sum_k (d q_k + m) x_k =
- *     d (sum_k q_k x_k) + m (sum_k x_k);
+ *   any count with AVX2 and without AVX-512: x quantized to 16-bit blocks once, then integer
+ *     dot products against W's blocks, one row of W at a time against tiles of up to 8 rows
+ *     of x (quant_dot.h);
+ *   few rows otherwise (fewer than GROUP_MIN_ROWS with AVX-512, any count without AVX2): one
+ *     row of W at a time, each block's quants widened to four 8-float vectors once per tile
+ *     of up to 8 rows of x, the block's scale factored out of its sum:
+ *     sum_k (d q_k + m) x_k = d (sum_k q_k x_k) + m (sum_k x_k);
  *   more rows, AVX-512: groups of four rows of W dequantized (fma(d, q, m)) into an fp32
  *     buffer in L1, then 4 x 4 register tiles against the rows of x.
- * Both compute with the blocks' exact values (Q4_1: d * q + m, Q8_0: d * q; d and m fp16) and
- * round differently from a matmul over the dense fp32 copy only as two orders of summation
- * do. It needs an x86 CPU with AVX and SSE4.1; elsewhere the build fails and the engine keeps
- * the dense weights.
+ * The float forms compute with the blocks' exact values (Q4_1: d * q + m, Q8_0: d * q; d and
+ * m fp16) and round differently from a matmul over the dense fp32 copy only as two orders of
+ * summation do; the integer form also rounds x to 16 bits a block (`shoal_quant_int_rows`
+ * says up to how many rows it serves). It needs an x86 CPU with AVX and SSE4.1; elsewhere the
+ * build fails and the engine keeps the dense weights.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -185,6 +189,8 @@ static const row_tile_fn ROW_TILES[TILE + 1] = {
     row_tile_5, row_tile_6, row_tile_7, row_tile_8,
 };
 
+#include "quant_dot.h"
+
 #if defined(__AVX512F__)
 /*
  * Many rows (AVX-512): a group of GROUP_ROWS rows of W is dequantized once into an fp32 buffer
@@ -300,6 +306,19 @@ int shoal_quant_max_rows(void) {
 }
 
 /*
+ * Steps of at most this many rows go through 16-bit activations (quant_dot.h); 0: none. An
+ * AVX-512 build keeps its float forms: the integer form is measured against them only on CPUs
+ * without AVX-512 so far (SHOAL_CPU_ISA=avx2 builds it on any AVX2 CPU).
+ */
+int shoal_quant_int_rows(void) {
+#if defined(QUANT_DOT_INT16)
+    return 1 << 30;
+#else
+    return 0;
+#endif
+}
+
+/*
  * y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for m < M, n < N.
  * x: fp32 [M, K], rows `x_stride` floats apart, K contiguous; y: fp32 [M, N], rows `y_stride`
  * apart; w: N rows of `row_bytes`; bias: N floats or NULL. K must be a multiple of 32.
@@ -320,6 +339,11 @@ int shoal_quant_matmul(float *y, int64_t y_stride, const float *x, int64_t x_str
                           K, num_threads);
         return 0;
     }
+#endif
+#if defined(QUANT_DOT_INT16)
+    if (M <= shoal_quant_int_rows())
+        return matmul_int16(y, y_stride, x, x_stride, w, row_bytes, qtype, bias, M, N, K,
+                           num_threads);
 #endif
     float *x_sums = NULL;
     if (qtype == Q4_1 && M > 0) {

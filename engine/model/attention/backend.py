@@ -5,8 +5,12 @@ The contract: the model runner orders a step's tokens as decodes first (one toke
 contiguous chunk per prefilling request, and describes that order in an `AttentionBatch`. The
 chosen backend turns the batch into its metadata once; every layer then calls `forward` with it.
 `forward` first writes the step's new K/V into the layer's pool at `slot_mapping`, then attends
-each query token over its sequence's positions [0, its own position]. Knows nothing about
-requests, scheduling, sampling or which device it runs on.
+each query token over its sequence's positions [0, its own position], or, for a layer with a
+sliding window W, over (its position - W, its own position] only: the blocks wholly before that
+may have been freed (their block-table entries are then 0 and never read). A layer may add sink
+logits (one extra softmax term per head, with no value), and a latent-attention layer keeps K
+only: its values are the first `value_dim` entries of each K row. Knows nothing about requests,
+scheduling, sampling or which device it runs on.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ class AttentionBackend(ABC, Generic[M]):
     """One way of running paged attention; chosen once per model runner.
 
     The pool of one layer has shape [2, num_kv_heads, num_blocks, block_size, head_dim]: K then
-    V, head-major. Query head h reads KV head h // (num_heads // num_kv_heads).
+    V, head-major; or [1, 1, num_blocks, block_size, head_dim] for latent attention (K only).
+    Query head h reads KV head h // (num_heads // num_kv_heads).
     """
 
     name: str  # the `--attention-backend` spelling (vLLM's)
@@ -116,29 +121,45 @@ class AttentionBackend(ABC, Generic[M]):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: M,
         *,
         scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
         """Writes k/v into `kv_cache` and attends.
 
         Args:
             q: [T, num_heads, head_dim] (rows may be strided views into a fused qkv).
-            k, v: [T, num_kv_heads, head_dim], the step's new keys and values.
+            k, v: [T, num_kv_heads, head_dim], the step's new keys and values; v None for
+                latent attention (a one-part pool, `value_dim` given).
             kv_cache: this layer's pool, written in place.
             meta: this step's metadata from `build_metadata`.
             scale: multiplies the scores (usually head_dim ** -0.5).
+            sliding_window: this layer's window W: a query at position i sees (i - W, i].
+            sinks: float32 [num_heads] sink logits, or None.
+            value_dim: latent attention: the values are K[..., :value_dim].
 
         Returns:
-            [T, num_heads, head_dim] in q's dtype.
+            [T, num_heads, head_dim] (or [T, num_heads, value_dim]) in q's dtype.
         """
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Stores the step's new K/V at their slots of the pool (torch ops, any device)."""
-    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
-    flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, slots: torch.Tensor
+) -> None:
+    """Stores the step's new K/V (K only in a one-part pool) at their slots (torch ops, any
+    device)."""
+    num_parts, num_kv_heads, head_dim = kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[4]
+    flat = kv_cache.view(num_parts, num_kv_heads, -1, head_dim)
     flat[0].index_copy_(1, slots, k.transpose(0, 1))
-    flat[1].index_copy_(1, slots, v.transpose(0, 1))
+    if v is not None:
+        flat[1].index_copy_(1, slots, v.transpose(0, 1))
+
+
+def value_pool(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The pool's V part; a one-part (latent) pool's values are read from its K rows."""
+    return kv_cache[1] if kv_cache.shape[0] == 2 else kv_cache[0]

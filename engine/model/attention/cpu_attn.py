@@ -18,6 +18,7 @@ from shoal.engine.model.attention.backend import (
     AttentionBackend,
     AttentionBatch,
     AttentionMetadata,
+    value_pool,
     write_kv,
 )
 
@@ -93,30 +94,37 @@ class CpuAttnBackend(AttentionBackend[CpuAttnMetadata]):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: CpuAttnMetadata,
         *,
         scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
         with record_function("shoal::kv_write"):
             write_kv(kv_cache, k, v, meta.slot_mapping)
         # The kernels read and write fp32 rows with a contiguous head_dim.
         is_fp32 = q.dtype == torch.float32
         query = q if is_fp32 and q.stride(-1) == 1 else q.float().contiguous()
-        out = torch.empty(query.shape, dtype=torch.float32)
+        num_tokens, num_heads, head_dim = query.shape
+        out = torch.empty(num_tokens, num_heads, value_dim or head_dim, dtype=torch.float32)
+        keys, values = kv_cache[0], value_pool(kv_cache)
         if meta.decode is not None:
             with record_function("shoal::attn_decode"):
                 self.kernel.decode(
                     out[: meta.decode.num_seqs],
                     query[: meta.decode.num_seqs],
-                    kv_cache[0],
-                    kv_cache[1],
+                    keys,
+                    values,
                     meta.decode.block_tables,
                     meta.decode.context_lens,
                     scale=scale,
                     partition_blocks=meta.decode.partition_blocks,
                     num_threads=meta.num_threads,
+                    sliding_window=sliding_window,
+                    sinks=sinks,
                 )
         if meta.prefill is not None:
             with record_function("shoal::attn_prefill"):
@@ -124,14 +132,16 @@ class CpuAttnBackend(AttentionBackend[CpuAttnMetadata]):
                 self.kernel.prefill(
                     out,
                     query,
-                    kv_cache[0],
-                    kv_cache[1],
+                    keys,
+                    values,
                     pre.block_tables,
                     pre.q_starts,
                     pre.q_lens,
                     pre.start_pos,
                     scale=scale,
                     num_threads=meta.num_threads,
+                    sliding_window=sliding_window,
+                    sinks=sinks,
                 )
         return out if is_fp32 else out.to(q.dtype)
 

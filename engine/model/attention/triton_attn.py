@@ -15,7 +15,12 @@ import numpy as np
 import torch
 import triton
 
-from shoal.engine.model.attention.backend import AttentionBackend, AttentionBatch, AttentionMetadata
+from shoal.engine.model.attention.backend import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    value_pool,
+)
 from shoal.engine.model.attention.triton_kernels import (
     LOG2E,
     paged_attention_kernel,
@@ -85,36 +90,39 @@ class TritonAttnBackend(AttentionBackend[TritonAttnMetadata]):
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: TritonAttnMetadata,
         *,
         scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        value_dim: int | None = None,
     ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
+        num_heads = q.shape[1]
         _, num_kv_heads, _, block_size, _ = kv_cache.shape
         assert num_heads == num_kv_heads * self.queries_per_kv, "not the model's head counts"
-        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head_dim must be contiguous"
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-        write_kv_kernel[(num_tokens,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            *k_cache.stride()[:3],
-            NUM_KV_HEADS=num_kv_heads,
-            HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=block_size,
-        )
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        assert q.stride(-1) == k.stride(-1) == 1, "head_dim must be contiguous"
+        assert v is None or v.stride(-1) == 1, "head_dim must be contiguous"
+        k_cache, v_cache = kv_cache[0], value_pool(kv_cache)
+        _write_kv(k, v, k_cache, v_cache, meta.slot_mapping, block_size)
+        extras = _LayerExtras(sliding_window, sinks, value_dim or q.shape[-1])
+        return self._attend(q, k_cache, v_cache, meta, scale, extras)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonAttnMetadata,
+        scale: float,
+        extras: _LayerExtras,
+    ) -> torch.Tensor:
+        """Each program: one KV head's query group over a span of one sequence's queries."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, _, block_size, _ = k_cache.shape
+        v_dim, sinks = extras.value_dim, extras.sinks
+        out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
         paged_attention_kernel[(len(meta.prog_seq), num_kv_heads)](
             out,
             q,
@@ -133,10 +141,15 @@ class TritonAttnBackend(AttentionBackend[TritonAttnMetadata]):
             *k_cache.stride()[:3],
             meta.block_tables.stride(0),
             scale * LOG2E,
+            extras.sliding_window or 0,
+            sinks if sinks is not None else q,  # never read without HAS_SINKS
             QUERIES_PER_KV=self.queries_per_kv,
             GROUP_PAD=self.group_pad,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
+            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            V_DIM=v_dim,
+            V_DIM_PAD=max(16, triton.next_power_of_2(v_dim)),
+            HAS_SINKS=sinks is not None,
             BLOCK_SIZE=block_size,
             BLOCK_Q=meta.block_q,
             TILE_N=_TILE_N,
@@ -145,3 +158,43 @@ class TritonAttnBackend(AttentionBackend[TritonAttnMetadata]):
             DOT_IN_FP32=q.device.type == "cpu",
         )
         return out
+
+
+@dataclass(frozen=True)
+class _LayerExtras:
+    """What a layer adds to plain causal attention (`AttentionBackend.forward`'s keywords)."""
+
+    sliding_window: int | None
+    sinks: torch.Tensor | None
+    value_dim: int
+
+
+def _write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> None:
+    """The step's new K/V into the pool. Latent attention has no V to write: the kernel then
+    writes K twice, to the same rows."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    v_new = k if v is None else v
+    write_kv_kernel[(num_tokens,)](
+        k,
+        v_new,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        *k_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+    )

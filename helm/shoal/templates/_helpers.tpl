@@ -36,7 +36,8 @@ ray.io/node-type: head
 {{- end }}
 
 {{- define "shoal.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $variant := ternary "-vllm" "" (eq .Values.modelSpec.engine "vllm") }}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s%s" .Chart.AppVersion $variant) .Values.image.tag) }}
 {{- end }}
 
 {{- define "shoal.apiKeySecretName" -}}
@@ -50,6 +51,21 @@ ray.io/node-type: head
 {{- define "shoal.hasApiKey" -}}
 {{- if or .Values.server.apiKey.value .Values.server.apiKey.existingSecret }}true{{ end }}
 {{- end }}
+
+{{/*
+Tenants' keys: the Secret's --api-key-file, mounted on the head at tenantsDir. Refused beside
+a single apiKey (shoal serve takes one or the other).
+*/}}
+{{- define "shoal.hasTenants" -}}
+{{- if .Values.server.tenants.existingSecret }}
+{{- if include "shoal.hasApiKey" . }}
+{{- fail "server.tenants and server.apiKey: give one (the tenants' file may hold a `default` tenant)" }}
+{{- end }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.tenantsDir" -}}/etc/shoal/tenants{{- end }}
 
 {{- define "shoal.rayMetricsPort" -}}
 {{- index .Values.head.rayStartParams "metrics-export-port" | default "8080" }}
@@ -77,7 +93,8 @@ ray.io/node-type: head
 {{- if $v.existingClaim }}
 persistentVolumeClaim:
   claimName: {{ $v.existingClaim }}
-  readOnly: {{ $v.readOnly }}
+  {{- /* The download's init container writes to it; the engines' mount stays read-only. */}}
+  readOnly: {{ and $v.readOnly (not .Values.modelSpec.download.enabled) }}
 {{- else if $v.hostPath }}
 hostPath:
   path: {{ $v.hostPath }}
@@ -124,6 +141,10 @@ same meaning that `shoal serve --help` lists.
 {{- $args = concat $args (list "--served-model-name" $m.name) }}
 {{- end }}
 {{- $args = concat $args (list "--namespace" .Values.server.namespace) }}
+{{- if include "shoal.hasTenants" . }}
+{{- $file := printf "%s/%s" (include "shoal.tenantsDir" .) .Values.server.tenants.secretKey }}
+{{- $args = concat $args (list "--api-key-file" $file) }}
+{{- end }}
 {{- $args = concat $args (list "--host" "0.0.0.0" "--port" (toString .Values.server.port)) }}
 {{- $args = concat $args (list "--data-parallel-size" (toString (int $m.dataParallelSize))) }}
 {{- if gt (int ($m.tensorParallelSize | default 1)) 1 }}
@@ -137,7 +158,24 @@ same meaning that `shoal serve --help` lists.
 {{- $args = concat $args (list "--max-model-len" (toString (int $m.maxModelLen))) }}
 {{- end }}
 {{- $args = concat $args (list "--dtype" $m.dtype) }}
-{{- with include "shoal.autoscaledMaxRanks" . }}
+{{- if eq $m.engine "vllm" }}
+{{- $args = concat $args (list "--engine" "vllm") }}
+{{- end }}
+{{- $maxRanks := include "shoal.autoscaledMaxRanks" . }}
+{{- with .Values.autoscaling }}
+{{- if .enabled }}
+{{- if .maxDataParallelSize }}
+{{- $maxRanks = toString (int .maxDataParallelSize) }}
+{{- else if not $maxRanks }}
+{{- fail "autoscaling.enabled needs autoscaling.maxDataParallelSize (or head.enableInTreeAutoscaling, which takes what the worker groups hold at maxReplicas)" }}
+{{- end }}
+{{- $args = concat $args (list "--autoscale" "--min-data-parallel-size" (toString (int .minDataParallelSize))) }}
+{{- if .config }}
+{{- $args = concat $args (list "--autoscaling-config" (toJson .config)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with $maxRanks }}
 {{- $args = concat $args (list "--max-data-parallel-size" .) }}
 {{- end }}
 {{- $args = concat $args $m.extraArgs }}
@@ -206,8 +244,11 @@ stop() {
 }
 trap stop TERM INT
 # Up: the GCS answers and the local raylet is healthy (what KubeRay's own head probe checks).
+# The port is tried first: a health check of a GCS that is not there waits ~45 s, and a
+# `ray start` that failed must end the container at once.
 ray_is_up() {
-  ray health-check --address "127.0.0.1:{{ include "shoal.gcsPort" . }}" >/dev/null 2>&1 &&
+  (exec 3<>"/dev/tcp/127.0.0.1/{{ include "shoal.gcsPort" . }}") 2>/dev/null &&
+    ray health-check --address "127.0.0.1:{{ include "shoal.gcsPort" . }}" >/dev/null 2>&1 &&
     python -c 'import urllib.request as r; r.urlopen("http://127.0.0.1:{{ include "shoal.agentPort" . }}/api/local_raylet_healthz", timeout=2)' >/dev/null 2>&1
 }
 while :; do
@@ -223,6 +264,73 @@ echo "ray or shoal serve exited (status $status); ending the head" >&2
 kill -TERM "$serve_pid" "$ray_pid" 2>/dev/null
 wait
 exit 1
+{{- end }}
+
+{{/*
+The model download's init container: huggingface_hub's snapshot_download of repoId at
+revision into the model's path in the volume. Its inputs come as environment variables, so no
+value is ever parsed by a shell.
+*/}}
+{{- define "shoal.downloadScript" -}}
+import json, os, sys
+from huggingface_hub import snapshot_download
+target = os.environ["SHOAL_MODEL_DIR"]
+print(f"downloading {os.environ['SHOAL_MODEL_REPO']}@{os.environ['SHOAL_MODEL_REVISION']} into {target}", flush=True)
+snapshot_download(
+    repo_id=os.environ["SHOAL_MODEL_REPO"],
+    revision=os.environ["SHOAL_MODEL_REVISION"],
+    local_dir=target,
+    allow_patterns=json.loads(os.environ["SHOAL_MODEL_ALLOW_PATTERNS"]) or None,
+)
+print(f"model ready in {target}", flush=True)
+{{- end }}
+
+{{- define "shoal.downloadContainer" -}}
+{{- $root := . }}
+{{- $d := .Values.modelSpec.download }}
+{{- if not $d.repoId }}
+{{- fail "modelSpec.download.enabled: give modelSpec.download.repoId (e.g. Qwen/Qwen2.5-7B-Instruct)" }}
+{{- end }}
+{{- if not (include "shoal.modelVolumeSource" .) }}
+{{- fail "modelSpec.download.enabled: the model needs a volume to be downloaded into (modelSpec.volume)" }}
+{{- end }}
+- name: download-model
+  image: {{ include "shoal.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - {{ include "shoal.downloadScript" . | quote }}
+  env:
+    - name: SHOAL_MODEL_REPO
+      value: {{ $d.repoId | quote }}
+    - name: SHOAL_MODEL_REVISION
+      value: {{ $d.revision | toString | quote }}
+    - name: SHOAL_MODEL_DIR
+      value: {{ include "shoal.modelPath" . | quote }}
+    - name: SHOAL_MODEL_ALLOW_PATTERNS
+      value: {{ toJson (default list $d.allowPatterns) | quote }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    - name: HF_HOME
+      value: /tmp/hf-home
+    {{- with $d.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $d.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $d.tokenSecret.key }}
+    {{- end }}
+  {{- with $d.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.modelSpec.volume.mountPath }}
 {{- end }}
 
 {{- define "shoal.workerScript" -}}
@@ -310,6 +418,16 @@ requests:
       {{- end }}
     spec:
       {{- include "shoal.podPlacement" (dict "root" $root "group" $g) | nindent 6 }}
+      {{- with $root.Values.drain }}
+      {{- if .enabled }}
+      # The drain's deadline, and time for its hand-over, before the pod is killed.
+      terminationGracePeriodSeconds: {{ add (int .deadlineSeconds) 30 }}
+      {{- end }}
+      {{- end }}
+      {{- if $root.Values.modelSpec.download.enabled }}
+      initContainers:
+        {{- include "shoal.downloadContainer" $root | nindent 8 }}
+      {{- end }}
       containers:
         - name: ray-worker
           image: {{ include "shoal.image" $root }}
@@ -319,9 +437,28 @@ requests:
           command: ["/bin/bash", "-c", "--"]
           args:
             - {{ include "shoal.workerScript" $root | quote }}
-          {{- with $g.containerEnv }}
+          {{- if or $g.containerEnv $root.Values.drain.enabled }}
           env:
+            {{- if $root.Values.drain.enabled }}
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- end }}
+            {{- with $g.containerEnv }}
             {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- end }}
+          {{- if $root.Values.drain.enabled }}
+          # Deleted (a rollout, a node drain, an eviction): this pod's ranks take no new
+          # requests and finish or hand over what they hold before Ray goes.
+          lifecycle:
+            preStop:
+              exec:
+                command:
+                  - /bin/bash
+                  - -c
+                  - {{ printf "shoal drain --namespace %s --node-ip \"$POD_IP\" --no-restart --deadline-s %d" (include "shoal.shellWord" $root.Values.server.namespace) (int $root.Values.drain.deadlineSeconds) | quote }}
           {{- end }}
           {{- with $g.envFrom }}
           envFrom:

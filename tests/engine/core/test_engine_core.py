@@ -67,7 +67,7 @@ def test_a_request_id_past_the_bound_is_refused_and_logged_cut_short(
     core: EngineCore, caplog: pytest.LogCaptureFixture
 ) -> None:
     huge = "x" * 1_000_000
-    with caplog.at_level(logging.INFO, logger="shoal.engine.core.engine_core"):
+    with caplog.at_level(logging.INFO, logger="shoal.engine.core.request_intake"):
         core.add_request(_request(huge, client_index=2, prompt_token_ids=[]))
         core.add_request(_request("y" * MAX_REQUEST_ID_CHARS, client_index=2))
     outputs = {o.request_id: o for f in _run(core)[2] for o in f.outputs if o.finished}

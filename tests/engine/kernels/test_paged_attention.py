@@ -3,9 +3,12 @@ cache and loader; the fallback to the torch reference backend."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import platform
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,12 +297,26 @@ def test_disable_env_wins_over_a_loaded_kernel(kernel, monkeypatch: pytest.Monke
     assert load_decode_kernel() is None
 
 
+_OPENMP_RUNTIMES = """
+import torch
+from shoal.engine.kernels.paged_attention import load_decode_kernel
+assert load_decode_kernel() is not None
+with open("/proc/self/maps") as f:
+    print(sorted({line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}))
+"""
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_shares_torchs_openmp_runtime(kernel) -> None:
-    # Two OpenMP runtimes would each keep a spinning thread pool and fight over the cores.
-    with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    # Two OpenMP runtimes would each keep a spinning thread pool and fight over the cores. A
+    # fresh process holds only torch and the kernel: this one may have loaded other libraries
+    # that bring their own runtime (sentencepiece's wheel does), which says nothing of ours.
+    out = subprocess.run(
+        [sys.executable, "-c", _OPENMP_RUNTIMES], capture_output=True, text=True, check=True
+    )
+    runtimes = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1, runtimes
+    assert "/torch/" in runtimes[0], runtimes
 
 
 def _prefill_case(

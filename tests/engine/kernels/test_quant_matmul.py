@@ -1,5 +1,6 @@
-"""The CPU kernel that computes few-row steps from a GGUF checkpoint's blocks: exact against a
-float64 matmul over the dequantized weights, and a model that uses it gives HF's tokens."""
+"""The CPU kernel that computes few-row steps from a GGUF checkpoint's blocks: against a
+float64 matmul over the dequantized weights within the reordering bound (plus, on its integer
+path, the activations' rounding to 16 bits), and a model that uses it gives HF's tokens."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ from shoal.engine.loader import load_blocks, load_weights
 from shoal.engine.model.layers import Linear
 from tests.factories import hf_reference, make_tiny_checkpoint, make_tiny_gguf
 from tests.reference import assert_greedy_matches, hf_greedy
-from tests.tolerances import reordering_gamma
+from tests.tolerances import activation_rounding_bound, reordering_gamma
+
+# quant_dot.h's ACT_LEVELS: a block of x becomes integers in [-32767, 32767].
+ACT_LEVELS = 32767
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,8 @@ def kernel(
     native_kernel: QuantMatmulKernel,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> QuantMatmulKernel:
-    """The build for this CPU, one without AVX-512 (its 8-row tiles) and one without AVX2
-    either (128-bit integer widening), on any x86 CPU."""
+    """The build for this CPU, one without AVX-512 (16-bit activations, integer dot products)
+    and one without AVX2 either (float, 128-bit integer widening), on any x86 CPU."""
     if request.param == "native":
         return native_kernel
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -80,25 +84,66 @@ def test_the_kernel_equals_a_float64_matmul_over_the_dequantized_weights(
     want = x.double() @ dense.T + bias.double()
     assert got.shape == (num_rows, 70) and got.dtype == torch.float32
     # fp32 sums of 96 products (and the bias) in the kernel's order against float64: within
-    # the reordering bound of tests/tolerances.py.
-    scale = float(want.abs().max())
-    assert float((got.double() - want).abs().max()) < reordering_gamma(torch.float32, 97) * scale
+    # the reordering bound of tests/tolerances.py, elementwise (sum of |terms| per output).
+    terms = x.double().abs() @ dense.abs().T + bias.double().abs()
+    tolerance = reordering_gamma(torch.float32, 97) * terms
+    if num_rows <= kernel.int_rows:
+        # The integer path first rounds x to 16-bit blocks (steps of max|x| / 32767 a block of
+        # 32): plus how far that can move each output (half a step per value, times its
+        # weight; tests/tolerances.py).
+        tolerance = tolerance + activation_rounding_bound(x, dense, levels=ACT_LEVELS)
+    error = (got.double() - want).abs()
+    assert bool((error <= tolerance).all()), (
+        f"worst error / tolerance {float((error / tolerance).max())}"
+    )
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("num_rows", [1, 2, 9])
+def test_the_integer_path_is_exact_for_the_activations_it_rounds(
+    kernel: QuantMatmulKernel, qtype: GGMLQuantizationType, num_rows: int
+) -> None:
+    """Integer dot products add the quants' products exactly: the integer path's result is a
+    float64 matmul of the rounded activations (the rule of quant_dot.h, redone in numpy) with
+    the dequantized weights, up to the float32 reordering bound alone."""
+    if num_rows > kernel.int_rows:
+        pytest.skip("this build computes these rows in float")
+    weight, dense = _blocks(qtype, rows=70, cols=96, seed=1)
+    x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(num_rows))
+    got = kernel.linear(x, weight, None).double()
+    blocks = x.numpy().reshape(num_rows, 3, 32)
+    max_abs = np.abs(blocks).max(-1, keepdims=True)
+    step = max_abs / np.float32(ACT_LEVELS)
+    inverse = np.float32(ACT_LEVELS) / max_abs
+    quants = np.rint(blocks * inverse)  # float32 products, rounded to nearest even as cvtps
+    assert np.abs(quants).max() <= ACT_LEVELS
+    rounded = torch.from_numpy((step.astype(np.float64) * quants).reshape(num_rows, 96))
+    want = rounded @ dense.T
+    tolerance = reordering_gamma(torch.float32, 96) * (rounded.abs() @ dense.abs().T)
+    assert bool(((got - want).abs() <= tolerance).all())
 
 
 def test_each_build_says_up_to_how_many_rows_it_serves(kernel: QuantMatmulKernel) -> None:
     assert kernel.max_rows in (12, 64)
+    # AVX2 without AVX-512: every step; AVX-512 (float forms) and AVX only: none.
+    assert kernel.int_rows in (0, 1 << 30)
 
 
 def test_the_isa_switch_narrows_every_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SHOAL_CPU_ISA=avx2 builds what a CPU without AVX-512 runs (12-row tiles), whatever this
-    CPU has; an unknown value is refused by name."""
+    """SHOAL_CPU_ISA=avx2 builds what a CPU without AVX-512 runs (12-row tiles, 16-bit
+    activations), avx what one without AVX2 runs (float only), whatever this CPU has; an
+    unknown value is refused by name."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the narrower builds are x86 only")
     monkeypatch.setenv(ISA_ENV, "avx2")
     narrowed = QuantMatmulKernel(build_kernel(tmp_path, source_path=SOURCE_PATH))
     assert narrowed.max_rows == 12
+    assert narrowed.int_rows == 1 << 30  # integer dot products at every step size
+    monkeypatch.setenv(ISA_ENV, "avx")
+    float_only = QuantMatmulKernel(build_kernel(tmp_path, source_path=SOURCE_PATH))
+    assert float_only.int_rows == 0  # no AVX2: the float path
     monkeypatch.setenv(ISA_ENV, "avx9")
     with pytest.raises(KernelBuildError, match="SHOAL_CPU_ISA='avx9'"):
         build_kernel(tmp_path, source_path=SOURCE_PATH)

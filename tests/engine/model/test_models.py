@@ -92,8 +92,8 @@ def test_rope_scaling_matches_hf(scaling: dict[str, object]) -> None:
 
 
 def test_unsupported_rope_scaling_is_a_load_error() -> None:
-    with pytest.raises(ModelLoadError, match="yarn"):
-        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="longrope"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 def test_mixtral_loads_saved_per_expert_names(tmp_path) -> None:

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from shoal.client.llm import LLM
+from shoal.client.api.llm import LLM
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.model.executor import make_executor

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.client.llm import LLM
+from shoal.client.api.llm import LLM
 from shoal.engine.protocol import SamplingParams
 from tests.factories import Arch, make_tiny_checkpoint
 

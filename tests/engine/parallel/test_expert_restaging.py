@@ -22,9 +22,10 @@ from shoal.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from shoal.engine.errors import ModelLoadError
 from shoal.engine.loader import SafetensorsReader, load_model_arch, load_weights
 from shoal.engine.model import layers as model_layers
+from shoal.engine.model.experts import RoutedExperts
 from shoal.engine.model.layers import can_pack_weights, packed_linear
 from shoal.engine.model.llama import DecoderLayer
-from shoal.engine.model.mixtral import MixtralExperts, MixtralForCausalLM, MixtralMoE
+from shoal.engine.model.mixtral import MixtralForCausalLM, MixtralMoE
 from shoal.engine.model.model_runner import ModelRunner
 from shoal.engine.parallel.distributed import ProcessGroups, Rendezvous
 from shoal.engine.parallel.expert_parallel import ExpertParallel, ExpertPlacement
@@ -76,7 +77,7 @@ def _model(path: str, placement: ExpertPlacement, rank: int) -> MixtralForCausal
     return model
 
 
-def _experts(model: MixtralForCausalLM) -> list[MixtralExperts]:
+def _experts(model: MixtralForCausalLM) -> list[RoutedExperts]:
     return [cast(MixtralMoE, cast(DecoderLayer, layer).mlp).experts for layer in model.layers]
 
 
@@ -86,7 +87,7 @@ def _expected(checkpoint: dict[str, torch.Tensor], layer: int, expert: int) -> t
     return torch.cat([checkpoint[f"{base}.{w}.weight"].flatten() for w in ("w1", "w3", "w2")])
 
 
-def _held(experts: MixtralExperts, local: int) -> torch.Tensor:
+def _held(experts: RoutedExperts, local: int) -> torch.Tensor:
     """The same flat vector from a layer's weights, dense or packed."""
     if experts.packed is None:
         return torch.cat([experts.w13[local].flatten(), experts.w2[local].flatten()])

@@ -1,5 +1,6 @@
 """TORCH_SDPA, the reference the other backends are held to, against a float64 dense
-softmax(QK^T)V computed token by token: mixed batches, GQA, blocks that straddle tiles."""
+softmax(QK^T)V computed token by token: mixed batches, GQA, blocks that straddle tiles, and the
+layer extras (sliding windows, sinks, latent attention)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from shoal.engine.model.attention.torch_sdpa import TorchSDPABackend
-from tests.engine.model.attention.cases import MIXED_CHUNKS, PagedStep
+from tests.engine.model.attention.cases import LONG_CHUNKS, MIXED_CHUNKS, VARIANTS, PagedStep
 from tests.tolerances import assert_reordered_close
 
 
@@ -33,3 +34,22 @@ def test_prefill_only_and_decode_only_steps() -> None:
         step = PagedStep(chunks, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
         out, _ = step.run(TorchSDPABackend())
         assert_reordered_close(out, step.dense_reference()[0].float(), length=64)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_layer_extras_match_the_dense_reference(variant: str, block_size: int) -> None:
+    step = PagedStep(
+        LONG_CHUNKS,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=block_size,
+        **VARIANTS[variant],
+    )
+    out, pool = step.run(TorchSDPABackend())
+    expected, expected_pool = step.dense_reference()
+    torch.testing.assert_close(pool, expected_pool, rtol=0, atol=0, equal_nan=True)
+    assert not out.isnan().any(), "read a block that lies wholly before the window"
+    max_context = max(s + n for s, n in LONG_CHUNKS)
+    assert_reordered_close(out, expected.float(), length=2 * max_context + 32)

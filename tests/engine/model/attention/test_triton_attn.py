@@ -18,7 +18,7 @@ import torch
 from shoal.engine.model.attention import select_attention_backend
 from shoal.engine.model.attention.backend import AttentionBackend
 from shoal.engine.model.attention.torch_sdpa import TorchSDPABackend
-from tests.engine.model.attention.cases import MIXED_CHUNKS, PagedStep
+from tests.engine.model.attention.cases import LONG_CHUNKS, MIXED_CHUNKS, VARIANTS, PagedStep
 from tests.engine.model_utils import (
     assert_runner_matches_hf,
     make_hf_model,
@@ -75,6 +75,27 @@ def test_mixed_batch_matches_the_reference(
         seed=group + head_dim + block_size,
     )
     _compare_with_reference(step, _triton(device, 2 * group, 2, head_dim))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_layer_extras_match_the_dense_reference(device: str, variant: str) -> None:
+    step = PagedStep(
+        LONG_CHUNKS,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        device=device,
+        **VARIANTS[variant],
+    )
+    num_kv_heads = step.pool.shape[1]
+    out, pool = step.run(_triton(device, 8, num_kv_heads, 64))
+    expected, expected_pool = step.dense_reference()
+    torch.testing.assert_close(pool, expected_pool, rtol=0, atol=0, equal_nan=True)
+    assert not out.isnan().any(), "read a block that lies wholly before the window"
+    max_context = max(s + n for s, n in LONG_CHUNKS)
+    assert_reordered_close(out, expected.float(), length=2 * max_context + 64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
