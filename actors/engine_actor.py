@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import ray
 from ray.actor import ActorProxy
 
+from shoal.actors.engine_liveness import ENGINE_WATCH_GROUP, ENGINE_WATCH_GROUP_THREADS
 from shoal.actors.membership import Membership, RankWorker, registration_token
 from shoal.actors.names import REGISTRY_NAME
 from shoal.actors.scale_state import EngineStart
@@ -40,9 +41,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Control calls that may be in flight at once: ready/health/shutdown plus the registry's
-# ever-pending `wait_for_exit`.
+# Control calls that may be in flight at once (ready, health, keys, notices, shutdown); the
+# registry's liveness watch runs in a group of its own (`ENGINE_WATCH_GROUP`).
 ENGINE_ACTOR_MAX_CONCURRENCY = 4
+ENGINE_ACTOR_CONCURRENCY_GROUPS = {ENGINE_WATCH_GROUP: ENGINE_WATCH_GROUP_THREADS}
 
 
 ENGINE_ACTOR_PREFIX = "shoal-engine-"
@@ -248,14 +250,19 @@ class EngineCoreActor:
         """Sends an elastic notification to every client attached here."""
         self.proc.notify_clients(kind, notice)
 
-    @ray.method
-    def wait_for_exit(self) -> None:
-        """Blocks until the busy loop ends on purpose (`shutdown`).
+    @ray.method(concurrency_group=ENGINE_WATCH_GROUP)
+    def wait_for_exit(self, timeout_s: float) -> tuple[bytes, bool]:
+        """Blocks until the busy loop ends on purpose (`shutdown`) or `timeout_s` passes.
 
-        The registry keeps this call pending as its liveness probe: if the actor dies, the
-        call fails with a RayActorError instead of returning.
+        The registry keeps this call pending as its liveness watch
+        (`shoal.actors.engine_liveness.watch_engine`): if the actor dies, the call fails with a
+        RayActorError instead of returning.
+
+        Returns:
+            This incarnation's identity, and whether its busy loop has ended.
         """
-        self._busy_loop.join()
+        self._busy_loop.join(timeout_s)
+        return self.endpoint.identity, not self._busy_loop.is_alive()
 
     @ray.method
     def shutdown(self) -> None:

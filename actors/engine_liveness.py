@@ -2,7 +2,11 @@
 
 Two questions, two answers:
 - *Has this incarnation died?* `watch_engine` keeps one call to the actor pending
-  (`ENGINE_WATCH_METHOD`); Ray fails it the moment the actor dies.
+  (`ENGINE_WATCH_METHOD`); Ray fails it the moment the actor dies. Each call ends by itself
+  after `WATCH_ROUND_S` and the watch makes the next, and the calls run in a concurrency
+  group of their own (`ENGINE_WATCH_GROUP`): a registry that dies cannot cancel its pending
+  call, which would otherwise hold one of the engine's control threads for good, and after a
+  few registry restarts the engine would answer no control call at all.
 - *Is it still answering?* A process can be alive and useless: stopped, swapped out, stuck in
   a kernel. Clients notice first (their connection's heartbeats stop) and say so to the
   registry, which does not take one client's word for it, since the fault may be that client's
@@ -28,10 +32,18 @@ from shoal.actors.membership_table import MembershipTable
 if TYPE_CHECKING:
     from shoal.actors.engine_actor import EngineActorHandle
 
-# Method every engine actor offers for liveness: it blocks until the engine stops on purpose,
-# and fails (RayActorError) if the actor dies. Engines also offer `ready() -> EngineEndpoint`
-# and `health() -> dict` with at least the "identity" it registered.
+# Method every engine actor offers for liveness: `wait_for_exit(timeout_s)` blocks until the
+# engine stops on purpose or `timeout_s` passes, and returns (the incarnation's identity, whether
+# it stopped); it fails (RayActorError) if the actor dies. It runs in the actor's concurrency
+# group `ENGINE_WATCH_GROUP`. Engines also offer `ready() -> EngineEndpoint` and
+# `health() -> dict` with at least the "identity" it registered.
 ENGINE_WATCH_METHOD = "wait_for_exit"
+ENGINE_WATCH_GROUP = "liveness-watch"
+# Watch calls that may run at once: the current registry's, and those of incarnations that died
+# in the last round (they end within `WATCH_ROUND_S`); more wait in the group's queue.
+ENGINE_WATCH_GROUP_THREADS = 2
+# How long one watch call stays pending before the watch makes the next.
+WATCH_ROUND_S = 10.0
 # An engine actor that does not answer `health` within this long counts as hung.
 ENGINE_PROBE_TIMEOUT_S = 5.0
 # A restarted registry's look at each rank it read back: long, as a restart comes with a loaded
@@ -69,7 +81,9 @@ async def watch_engine(
 
     The engine registers from inside its constructor, so Ray may still call the actor
     restarting (calls fail with ActorUnavailableError) until the constructor returns: first
-    wait for `ready()` to answer with this identity, then keep one call pending.
+    wait for `ready()` to answer with this identity, then keep one watch call pending, round
+    after round. A round answered by another identity means the watched one died between two
+    rounds and Ray restarted the actor.
 
     Args:
         actor: the rank's actor handle.
@@ -91,8 +105,12 @@ async def watch_engine(
                 await asyncio.sleep(_UNAVAILABLE_RETRY_S)
         if endpoint.identity != identity:
             return False
-        await getattr(actor, ENGINE_WATCH_METHOD).remote()
-        return False
+        while True:
+            answered, stopped = await getattr(actor, ENGINE_WATCH_METHOD).remote(WATCH_ROUND_S)
+            if answered != identity:
+                return True
+            if stopped:
+                return False
     except asyncio.CancelledError:
         raise
     except Exception:  # RayActorError and kin: this incarnation is gone

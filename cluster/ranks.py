@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.actor import ActorClass
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shoal.actors.engine_actor import (
+    ENGINE_ACTOR_CONCURRENCY_GROUPS,
     ENGINE_ACTOR_MAX_CONCURRENCY,
     EngineActorHandle,
     EngineCoreActor,
@@ -373,7 +375,7 @@ def _create_engine_actor(
     rank_keys: CurveKeyPair,
 ) -> EngineActorHandle:
     return (
-        ray.remote(EngineCoreActor)
+        _engine_actor_class()
         .options(
             name=engine_actor_name(rank),
             namespace=namespace,
@@ -389,3 +391,13 @@ def _create_engine_actor(
         )
         .remote(config, rank, namespace, options.host, rank_keys)
     )
+
+
+def _engine_actor_class() -> ActorClass[EngineCoreActor]:
+    """`EngineCoreActor` as a Ray actor class, with the concurrency group of its liveness
+    watch (Ray's typed overloads of `ray.remote` leave out `concurrency_groups`)."""
+    remote: Any = ray.remote
+    actor_class: ActorClass[EngineCoreActor] = remote(
+        concurrency_groups=ENGINE_ACTOR_CONCURRENCY_GROUPS
+    )(EngineCoreActor)
+    return actor_class

@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 import ray
 
-from shoal.actors.engine_liveness import ENGINE_WATCH_METHOD
+from shoal.actors.engine_actor import (
+    ENGINE_ACTOR_CONCURRENCY_GROUPS,
+    ENGINE_ACTOR_MAX_CONCURRENCY,
+)
+from shoal.actors.engine_liveness import ENGINE_WATCH_GROUP, ENGINE_WATCH_METHOD
 from shoal.actors.membership import RankState, registration_digest, registration_token
 from shoal.actors.registry import RegistryActor
 from shoal.engine.config import EngineConfig
@@ -170,6 +174,7 @@ class _WatchedActor:
         self._exited = threading.Event()
         self._answering = threading.Event()
         self._answering.set()
+        self._num_watchers = 0  # watch calls started
         self.rank = rank
 
     def ready(self) -> EngineEndpoint:
@@ -186,8 +191,13 @@ class _WatchedActor:
     def exit_cleanly(self) -> None:
         self._exited.set()
 
-    def wait_for_exit(self) -> None:
-        self._exited.wait()
+    def num_watchers(self) -> int:
+        return self._num_watchers
+
+    @ray.method(concurrency_group=ENGINE_WATCH_GROUP)
+    def wait_for_exit(self, timeout_s: float) -> tuple[bytes, bool]:
+        self._num_watchers += 1
+        return b"id", self._exited.wait(timeout_s)
 
 
 assert hasattr(_WatchedActor, ENGINE_WATCH_METHOD)
@@ -209,11 +219,11 @@ def _wait_for_state(registry: Any, rank: int, state: RankState) -> None:
 def _watched_ranks(registry: Any, namespace: str, max_restarts: int = 0) -> list[Any]:
     """Two ranks served by `_WatchedActor`s, registered as identity b"id"."""
     actors: list[Any] = [
-        ray.remote(_WatchedActor)
+        ray.remote(concurrency_groups=ENGINE_ACTOR_CONCURRENCY_GROUPS)(_WatchedActor)
         .options(
             name=f"watched-{r}",
             namespace=namespace,
-            max_concurrency=4,
+            max_concurrency=ENGINE_ACTOR_MAX_CONCURRENCY,
             num_cpus=0,
             max_restarts=max_restarts,
         )
@@ -300,3 +310,35 @@ def test_a_restarted_registry_finds_an_engine_that_died_while_none_watched(
     finally:
         for actor in (*actors, registry):
             ray.kill(actor)
+
+
+def test_engines_answer_control_calls_after_many_registry_restarts(namespace: str) -> None:
+    """Each registry incarnation watches every engine with a call that stays pending; the
+    watch of an incarnation that died must not keep a thread of the engine's, or after a few
+    restarts the engine answers no control call (a client's key would never be admitted)."""
+    registry: Any = (
+        ray.remote(RegistryActor)
+        .options(name="shoal-registry", namespace=namespace, num_cpus=0, max_restarts=-1)
+        .remote(namespace, CONFIG, engine_probe_timeout_s=5.0)
+    )
+    actors = _watched_ranks(registry, namespace)
+    try:
+        _wait_for_watches(actors, 1)
+        for restart in range(1, ENGINE_ACTOR_MAX_CONCURRENCY + 2):
+            ray.kill(registry, no_restart=False)
+            _wait_for_watches(actors, restart + 1)
+            assert all(ray.get([a.health.remote() for a in actors], timeout=10))
+        assert ray.get(registry.membership.remote()).ranks[0].state == RankState.READY
+        ray.kill(actors[0])  # the latest incarnation's watch still sees a death
+        _wait_for_state(registry, 0, RankState.DEAD)
+    finally:
+        for actor in (*actors, registry):
+            ray.kill(actor)
+
+
+def _wait_for_watches(actors: list[Any], count: int) -> None:
+    """Until every actor has seen `count` registry incarnations start watching it."""
+    deadline = time.monotonic() + 30
+    while min(ray.get([a.num_watchers.remote() for a in actors], timeout=10)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} watches started"
+        time.sleep(0.1)
