@@ -15,6 +15,7 @@ from shoal.engine.errors import EngineDeadError
 from shoal.engine.protocol import EngineCoreRequest, KVCacheEvents
 from tests.client.async_utils import collect
 from tests.engine.core_proc_utils import BLOCK_SIZE, ServedEngine, request, tiny_config
+from tests.kv_sync import engine_hits, synced
 
 # Room for one document and its conversations' tails per rank, not for two documents.
 NUM_BLOCKS = 20
@@ -46,24 +47,6 @@ async def _turn(
     return rank, tokens, outputs[0].num_cached_tokens
 
 
-async def _engine_hits(client: DPLBAsyncMPClient) -> int:
-    stats = await client.call_utility_all_async("get_stats")
-    return sum(s.prefix_cache_hits_total for s in stats.values())
-
-
-async def _synced(client: DPLBAsyncMPClient) -> None:
-    """Waits until the client's index holds exactly what every engine's cache holds."""
-    for _ in range(100):
-        snapshots = await client.call_utility_all_async("get_kv_cache_snapshot")
-        if all(
-            client.kv_index.views[rank].keys == set(snap.block_keys)
-            for rank, snap in snapshots.items()
-        ):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the client's index never matched the engines' caches")
-
-
 async def test_conversations_settle_one_document_per_rank_and_hit_their_history(
     ranks: list[ServedEngine],
 ) -> None:
@@ -72,7 +55,7 @@ async def test_conversations_settle_one_document_per_rank_and_hit_their_history(
     try:
         history = {f"{doc}{n}": list(DOCS[doc]) for doc in DOCS for n in (1, 2)}
         placed: dict[str, set[int]] = {doc: set() for doc in DOCS}
-        hits_before = await _engine_hits(front)
+        hits_before = await engine_hits(front)
         reported_hits = 0
         for turn in range(3):
             for name, prompt in history.items():
@@ -87,14 +70,14 @@ async def test_conversations_settle_one_document_per_rank_and_hit_their_history(
         assert placed["A"] in ({0}, {1}) and placed["B"] in ({0}, {1})
         assert placed["A"] != placed["B"]
         # The engines' own counters agree with the hits they reported per request...
-        assert await _engine_hits(front) - hits_before == reported_hits
+        assert await engine_hits(front) - hits_before == reported_hits
         # ...and with what the router predicted when it chose each rank.
         stats = front.router.stats
         assert stats.predicted_hit_tokens == stats.actual_hit_tokens == reported_hits
         assert stats.decisions.get("cache", 0) >= 10
 
         # A second front end, which sent nothing, holds the same view and decides alike.
-        await _synced(other)
+        await synced(other)
         for doc, prompt in DOCS.items():
             probe = EngineCoreRequest(
                 f"probe-{doc}", [*prompt, 1, 2, 3], request("x").sampling_params
@@ -136,7 +119,7 @@ async def test_an_evicted_prefix_leaves_every_index_and_missed_events_resync(
             await front.add_request_async(pinned)
             await collect(front, {f"flood-{i}"})
         for client in (front, lossy):
-            await _synced(client)
+            await synced(client)
             assert client.kv_index.match(keys, [0, 1]) == {0: 0, 1: 0}
             decision = client.route(
                 EngineCoreRequest("probe", [*doc, 2], request("x").sampling_params)
@@ -163,7 +146,7 @@ async def test_a_killed_rank_leaves_the_index_and_is_never_routed_to(
         pinned.data_parallel_rank = 1
         await client.add_request_async(pinned)
         await collect(client, {"warm"})
-        await _synced(client)
+        await synced(client)
         ranks[1].stop()
         with pytest.raises(EngineDeadError) as lost:
             await asyncio.wait_for(client.get_output_async(), 10)
@@ -186,7 +169,7 @@ async def test_a_session_stays_on_its_rank_while_the_load_allows(
         warm.data_parallel_rank = 1
         await client.add_request_async(warm)
         await collect(client, {"warm"})
-        await _synced(client)
+        await synced(client)
         # The session starts where the cache does not pull: rank 0, the emptier cache...
         first = [(t * 17) % 90 + 3 for t in range(40)]
         await client.add_request_async(request("s-0", first, max_tokens=2), session_id="s")
@@ -215,7 +198,7 @@ async def test_prompts_sent_before_any_output_follow_the_blocks_expected_there(
     held_events: list[tuple[int, KVCacheEvents]] = []
     on_outputs, apply_events = client.router.on_outputs, client.kv_index.apply_events
     try:
-        await _synced(client)
+        await synced(client)
         client.router.on_outputs = lambda outs, rank: held_outputs.append((list(outs), rank))  # type: ignore[method-assign,func-returns-value]
         client.kv_index.apply_events = lambda rank, b: held_events.append((rank, b)) or False  # type: ignore[method-assign,func-returns-value]
         sent = {}

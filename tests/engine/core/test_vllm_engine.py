@@ -36,6 +36,7 @@ from shoal.engine.protocol import (
 from shoal.engine.tokenizer import load_tokenizer
 from tests.engine.core.vllm_priority import start_order
 from tests.factories import make_tiny_checkpoint
+from tests.kv_sync import engine_hits, synced
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -280,24 +281,6 @@ DOCS = {
 }
 
 
-async def _engine_hits(client: DPLBAsyncMPClient) -> int:
-    stats = await client.call_utility_all_async("get_stats")
-    return sum(s.prefix_cache_hits_total for s in stats.values())
-
-
-async def _synced(client: DPLBAsyncMPClient) -> None:
-    """Waits until the client's index holds exactly what every engine's cache holds."""
-    for _ in range(200):
-        snapshots = await client.call_utility_all_async("get_kv_cache_snapshot")
-        if all(
-            client.kv_index.views[rank].keys == set(snap.block_keys)
-            for rank, snap in snapshots.items()
-        ):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the client's index never matched the engines' caches")
-
-
 async def test_routing_predicts_exactly_the_hits_vllm_counts(
     endpoints: list[EngineEndpoint],
 ) -> None:
@@ -307,8 +290,8 @@ async def test_routing_predicts_exactly_the_hits_vllm_counts(
     client = DPLBAsyncMPClient(endpoints)
     try:
         await client.call_utility_all_async("reset_prefix_cache")
-        await _synced(client)
-        hits_before = await _engine_hits(client)
+        await synced(client, attempts=200)
+        hits_before = await engine_hits(client)
         history = {f"{doc}{n}": list(DOCS[doc]) for doc in DOCS for n in (1, 2)}
         placed: dict[str, set[int]] = {doc: set() for doc in DOCS}
         reported = 0
@@ -328,14 +311,14 @@ async def test_routing_predicts_exactly_the_hits_vllm_counts(
         assert reported > 0
         # vLLM's own counters agree with the hits it reported per request, and with what the
         # router predicted from the KV events when it chose each rank.
-        assert await _engine_hits(client) - hits_before == reported
+        assert await engine_hits(client) - hits_before == reported
         stats = client.router.stats
         assert stats.predicted_hit_tokens == stats.actual_hit_tokens == reported
         assert stats.decisions.get("cache", 0) >= 8
-        await _synced(client)
+        await synced(client, attempts=200)
         # A cleared cache (vLLM's AllBlocksCleared) empties the index too.
         assert all((await client.call_utility_all_async("reset_prefix_cache")).values())
-        await _synced(client)
+        await synced(client, attempts=200)
         assert all(not view.keys for view in client.kv_index.views.values())
     finally:
         client.shutdown()
