@@ -76,6 +76,12 @@ class ServerConfig:
     # vLLM of this environment, the same build.
     engine: str = "shoal"
     enforce_eager: bool = False
+    # Flags both servers take (LoRA's, say), and flags for shoal's alone.
+    extra_flags: tuple[str, ...] = ()
+    shoal_flags: tuple[str, ...] = ()
+    # The Python whose vLLM serves "vllm"; None: `.bench/vllm-venv`'s (or, with engine="vllm",
+    # this environment's).
+    vllm_python: str | None = None
 
 
 def _common_flags(config: ServerConfig, port: int, num_blocks: int) -> list[str]:
@@ -86,7 +92,7 @@ def _common_flags(config: ServerConfig, port: int, num_blocks: int) -> list[str]
         "--max-model-len", str(config.max_model_len), "--block-size", str(config.block_size),
         "--num-gpu-blocks-override", str(num_blocks), "--enable-prefix-caching",
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-seqs", str(config.max_num_seqs), *config.extra_flags,
     ]  # fmt: skip
 
 
@@ -99,7 +105,9 @@ def serving(system: str, config: ServerConfig, log_dir: Path) -> Iterator[int]:
     proc: subprocess.Popen[bytes] | None = None
     try:
         if system == "vllm":
-            python = sys.executable if config.engine == "vllm" else str(VLLM_PYTHON)
+            python = config.vllm_python or (
+                sys.executable if config.engine == "vllm" else str(VLLM_PYTHON)
+            )
             cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
             # vLLM's block pool holds one block back (its null block): one more leaves it as
             # many usable blocks as shoal's ranks have.
@@ -114,7 +122,7 @@ def serving(system: str, config: ServerConfig, log_dir: Path) -> Iterator[int]:
                 cmd += [*flags, "--engine", "vllm"]
             else:
                 cmd += [*_common_flags(config, port, config.kv_blocks), "--cpu-threads", "1"]
-            cmd += ["--routing-policy", policy, "--num-cpus-per-rank", "1"]
+            cmd += ["--routing-policy", policy, "--num-cpus-per-rank", "1", *config.shoal_flags]
             cmd += ["--address", head.gcs_address, "--data-parallel-address", "127.0.0.1"]
             cmd += ["--namespace", f"bench-prefix-{uuid.uuid4().hex[:6]}"]
             env = ray_env()

@@ -1,7 +1,9 @@
 """LoRA series of `/metrics`, from the ranks' published stats: vLLM's `vllm:lora_requests_info`
 (per rank, labelled with its slots and the adapters its running and waiting requests run with;
-value 1) and `shoal:lora_adapter_loads_total` (adapters put in a slot). Ranks without LoRA
-publish none."""
+value 1), and per rank `shoal:lora_adapter_loads_total` (adapters put in a slot),
+`shoal:lora_adapter_evictions_total` (of those, the loads that pushed another adapter out) and
+`shoal:lora_adapter_load_seconds_total` (the time loads took). Ranks without LoRA publish
+none."""
 
 from __future__ import annotations
 
@@ -36,6 +38,16 @@ class LoRACollector(Collector):
             "LoRA adapters put in a slot of the rank.",
             labels=["model_name", "engine"],
         )
+        evictions = CounterMetricFamily(
+            "shoal:lora_adapter_evictions",
+            "LoRA adapters pushed out of the rank's slots by a load.",
+            labels=["model_name", "engine"],
+        )
+        load_seconds = CounterMetricFamily(
+            "shoal:lora_adapter_load_seconds",
+            "Seconds the rank spent putting LoRA adapters in slots.",
+            labels=["model_name", "engine"],
+        )
         for rank, stats in sorted(self._rank_stats().items()):
             if not stats.max_loras:
                 continue
@@ -43,5 +55,6 @@ class LoRACollector(Collector):
             values = [self._model_name, str(rank)]
             info.add_metric([*values, str(stats.max_loras), running, waiting], 1.0)
             loads.add_metric(values, stats.num_lora_loads_total)
-        yield info
-        yield loads
+            evictions.add_metric(values, stats.num_lora_evictions_total)
+            load_seconds.add_metric(values, stats.lora_load_seconds_total)
+        yield from (info, loads, evictions, load_seconds)

@@ -344,6 +344,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_lora_loads_total: int = 0
     max_loras: int = 0
     lora_cached: list[str] = msgspec.field(default_factory=list)  # kept in CPU memory
+    # Adapters a load pushed out of a slot, and the seconds loads took (reading a folder or
+    # copying a CPU-kept adapter into its slot), since the start.
+    num_lora_evictions_total: int = 0
+    lora_load_seconds_total: float = 0.0
 
 
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

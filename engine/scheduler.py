@@ -94,6 +94,7 @@ class Scheduler:
         self.lora_slots = None
         if lora is not None and lora.enable_lora:
             self.lora_slots = LoRASlots(lora.max_loras, lora.num_cpu_loras)
+        self.lora_load_s = 0.0  # the seconds the runner's adapter loads took (its outputs say)
         self.block_size = cache_config.kv_block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -271,7 +272,7 @@ class Scheduler:
             num_cached_blocks=kv.block_pool.num_cached_blocks,
             iteration_tokens_counts=list(self._iteration_tokens_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
-            **lora_stats(self.lora_slots, self.running, list(self.waiting)),
+            **lora_stats(self.lora_slots, self.running, list(self.waiting), self.lora_load_s),
         )
 
     # --- internals -----------------------------------------------------------------------------

@@ -69,3 +69,5 @@ class ModelRunnerOutput:
     # LoRA adapters (name, path) that could not be loaded this step, and why: their requests
     # fail (their rows ran with a zeroed slot); the others are unaffected.
     lora_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+    # The seconds this step spent putting adapters in slots (the driver worker's).
+    lora_load_s: float = 0.0

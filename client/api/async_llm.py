@@ -38,6 +38,7 @@ from shoal.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from shoal.client.routing.cluster_link import ClusterLink
+    from shoal.client.routing.lb_policy import LoadBalancePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class AsyncLLM:
         address: str = "auto",
         host: str | None = None,
         name: str | None = None,
-        policy: str = "cache-aware",
+        policy: str | LoadBalancePolicy = "cache-aware",
         ready_timeout_s: float = 0.0,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> AsyncLLM:
@@ -78,7 +79,9 @@ class AsyncLLM:
             host: this machine's address as the engines should reach it; default: Ray's node IP.
             name: how this client is listed by `shoal status`.
             policy: the routing policy: "cache-aware" (prefix cache weighed against load),
-                "least-loaded", "round-robin" or "queue-length" (vLLM's score).
+                "least-loaded", "round-robin" or "queue-length" (vLLM's score); or a policy
+                object (`shoal.client.routing.lb_policy`: a `make_policy(...)` with other
+                options, or one of its own), used as given.
             ready_timeout_s: how long to wait for a cluster that is still being launched (by a
                 `shoal serve` job just submitted, say) until one of its ranks serves. 0: no
                 wait.

@@ -22,7 +22,7 @@ import ray
 
 from shoal.actors.membership import Membership, RankState
 from shoal.client.routing.lb_client import DPLBAsyncMPClient
-from shoal.client.routing.lb_policy import make_policy
+from shoal.client.routing.lb_policy import LoadBalancePolicy, make_policy
 from shoal.client.routing.migration import DEFAULT_MIGRATION_LIMIT
 from shoal.client.transport.connections import EngineAttachError
 from shoal.client.transport.engine_client import EngineSetClient
@@ -90,14 +90,15 @@ class ClusterLink:
         address: str = "auto",
         host: str | None = None,
         name: str | None = None,
-        policy: str = "cache-aware",
+        policy: str | LoadBalancePolicy = "cache-aware",
         ready_timeout_s: float = 0.0,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> ClusterLink:
         """Attaches a new `DPLBAsyncMPClient` to the cluster in `namespace`.
 
         Args:
-            policy: the routing policy's name (`shoal.client.routing.lb_policy.make_policy`).
+            policy: the routing policy's name (`shoal.client.routing.lb_policy.make_policy`),
+                or a policy object, used as given.
             migration_limit: how often one request may move off a failed rank
                 (`shoal.client.routing.migration`); 0: a rank's failure fails its requests.
             ready_timeout_s: how long to wait for the cluster to be launched and for one of
@@ -108,7 +109,7 @@ class ClusterLink:
             TimeoutError: the cluster runs, but no rank served within `ready_timeout_s`.
             ValueError: unknown policy name.
         """
-        routing_policy = make_policy(policy)
+        routing_policy = make_policy(policy) if isinstance(policy, str) else policy
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         deadline = time.monotonic() + ready_timeout_s

@@ -262,15 +262,24 @@ POLICIES: dict[str, type[LoadBalancePolicy]] = {
 ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
 
-def make_policy(name: str) -> LoadBalancePolicy:
+def make_policy(name: str, *, lora_load_cost: float | None = None) -> LoadBalancePolicy:
     """The policy named `name` ("cache-aware" and "cache_aware" alike), with session
     affinity for the requests that ask for it.
 
+    Args:
+        lora_load_cost: the cache-aware policy's `lora_load_cost`; None: its default. The
+            other policies do not weigh adapters.
+
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or a negative cost.
     """
     key = name.replace("-", "_")
     if key not in POLICIES:
         choices = sorted(n.replace("_", "-") for n in POLICIES)
         raise ValueError(f"unknown routing policy {name!r}; choose from {choices}")
-    return SessionAffinityPolicy(inner=POLICIES[key]())
+    if lora_load_cost is not None and lora_load_cost < 0:
+        raise ValueError(f"lora_load_cost must be at least 0, not {lora_load_cost}")
+    inner = POLICIES[key]()
+    if isinstance(inner, CacheAwarePolicy) and lora_load_cost is not None:
+        inner.lora_load_cost = lora_load_cost
+    return SessionAffinityPolicy(inner=inner)

@@ -9,6 +9,7 @@ each refusal is a 400 that names the field and the limit. The bounds on bytes an
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from shoal.deploy.openai.errors import OpenAIError
@@ -183,4 +184,12 @@ def non_negative_int(value: str) -> int:
     number = int(value)
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {number}")
+    return number
+
+
+def non_negative_float(value: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {value}")
     return number

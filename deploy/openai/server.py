@@ -34,7 +34,7 @@ import uvicorn
 
 from shoal.actors.registry import RegistryHandle
 from shoal.client.api.async_llm import AsyncLLM
-from shoal.client.routing.lb_policy import ROUTING_POLICIES
+from shoal.client.routing.lb_policy import ROUTING_POLICIES, CacheAwarePolicy, make_policy
 from shoal.client.routing.migration import DEFAULT_MIGRATION_LIMIT
 from shoal.cluster.launch import attach
 from shoal.deploy.openai import admission_gate
@@ -47,6 +47,7 @@ from shoal.deploy.openai.limits import (
     FrontEndLimits,
     add_limit_args,
     limits_from_args,
+    non_negative_float,
     non_negative_int,
 )
 from shoal.deploy.openai.lora import LoRAModule, add_lora_args, serve_lora_modules
@@ -85,12 +86,11 @@ class FrontEndConfig:
     # The names the API answers to (the first is the one it reports); default: the model path.
     served_model_names: tuple[str, ...] = ()
     data_parallel_address: str | None = None  # this node's address as the engines reach it
-    # How ranks that a resize asked of this front end adds are started: `shoal serve --port`
-    # starts them as it launched the others; any other front end, detached.
     admin_api_key: str | None = field(default=None, repr=False)  # default: api_key
     limits: FrontEndLimits = field(default_factory=FrontEndLimits)
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
     routing_policy: str = "cache-aware"  # `shoal.client.routing.lb_policy.make_policy`
+    lora_load_cost: float | None = None  # the cache-aware policy's; None: its default
     # How often a request may move off a failed rank (`shoal.client.routing.migration`).
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     chat_template: str | None = None  # overrides the tokenizer's (`load_chat_template`)
@@ -196,13 +196,22 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_routing_args(group: argparse._ArgumentGroup) -> None:
-    """--routing-policy, --migration-limit."""
+    """--routing-policy, --routing-lora-load-cost, --migration-limit."""
     group.add_argument(
         "--routing-policy",
         choices=ROUTING_POLICIES,
         default="cache-aware",
         help="how the front end picks a rank: cache-aware (default: the uncached prefill plus "
         "the rank's load, cheapest wins), least-loaded, or round-robin",
+    )
+    group.add_argument(
+        "--routing-lora-load-cost",
+        type=non_negative_float,
+        default=None,
+        metavar="TOKENS",
+        help="with --enable-lora, what the cache-aware policy adds for a rank that must load "
+        "the request's adapter, in prompt tokens of prefill (twice that where its slots are "
+        f"full); 0 routes as if adapters cost nothing (default {CacheAwarePolicy.lora_load_cost:.0f})",
     )
     group.add_argument(
         "--migration-limit",
@@ -236,6 +245,7 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
         limits=limits_from_args(args),
         tool_calls=tool_config_from_args(args),
         routing_policy=args.routing_policy,
+        lora_load_cost=args.routing_lora_load_cost,
         migration_limit=args.migration_limit,
         chat_template=load_chat_template(args.chat_template),
         uvicorn_log_level=args.uvicorn_log_level,
@@ -367,7 +377,7 @@ async def _connect(config: FrontEndConfig, deadline: float) -> tuple[AsyncLLM, R
         config.namespace,
         host=config.data_parallel_address,
         name=f"api-server {config.host}:{config.port}",
-        policy=config.routing_policy,
+        policy=make_policy(config.routing_policy, lora_load_cost=config.lora_load_cost),
         ready_timeout_s=max(1.0, deadline - time.monotonic()),
         migration_limit=config.migration_limit,
     )

@@ -187,6 +187,7 @@ class EngineCore:
                 if not scheduler_output.is_empty
                 else ModelRunnerOutput()
             )
+            self.scheduler.lora_load_s += runner_output.lora_load_s
             fail_lora_requests(self.scheduler, runner_output.lora_errors)
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             for client_index, outputs in updates.items():

@@ -11,9 +11,10 @@ from shoal.engine.request import Request
 
 
 def lora_stats(
-    slots: LoRASlots | None, running: list[Request], waiting: list[Request]
+    slots: LoRASlots | None, running: list[Request], waiting: list[Request], load_s: float
 ) -> dict[str, Any]:
-    """The stats' LoRA fields: live slots, the requests' adapters, loads so far."""
+    """The stats' LoRA fields: live slots, the requests' adapters, loads and evictions so far,
+    and `load_s`, the seconds the model's loads took."""
     if slots is None:
         return {}
 
@@ -26,6 +27,8 @@ def lora_stats(
         "lora_running": names(running),
         "lora_waiting": names(waiting),
         "num_lora_loads_total": slots.num_loads,
+        "num_lora_evictions_total": slots.num_evictions,
+        "lora_load_seconds_total": load_s,
         "max_loras": slots.num_slots,
     }
 

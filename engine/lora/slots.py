@@ -35,6 +35,7 @@ class LoRASlots:
         self._cpu: OrderedDict[AdapterKey, None] = OrderedDict()  # least recently used first
         self._live: OrderedDict[AdapterKey, int] = OrderedDict()  # least recently used first
         self.num_loads = 0  # adapters put in a slot, since the start
+        self.num_evictions = 0  # of those loads, the ones that pushed another adapter out
 
     def live(self) -> list[AdapterKey]:
         """The adapters now in slots, least recently used first."""
@@ -86,4 +87,5 @@ class LoRASlots:
             if slot not in taken:
                 return slot
         victim = next(k for k in self._live if k not in keep)
+        self.num_evictions += 1
         return self._live.pop(victim)

@@ -11,6 +11,7 @@ not read again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,7 @@ class LoRAModel:
         self.slots = LoRASlots(config.max_loras, config.num_cpu_loras)
         self._cpu: dict[AdapterKey, tuple[AdapterSpec, _Weights]] = {}
         self.num_disk_reads = 0  # adapters read from their folders
+        self.step_load_s = 0.0  # the seconds the last `prepare`'s loads took
         self.batch = LoRABatch(device)
         self.dtype = dtype
         parts: dict[Linear, int] = {}
@@ -86,6 +88,7 @@ class LoRAModel:
             The adapters that could not be loaded (their folder changed since their requests
             were checked), and why: their slots stay zero and are given up.
         """
+        self.step_load_s = 0.0
         if not lora_requests:
             self.batch.clear()
             return {}
@@ -94,6 +97,7 @@ class LoRAModel:
         ]
         slots, loads = self.slots.assign(keys)
         failures: dict[AdapterKey, str] = {}
+        started = time.perf_counter()
         for slot, key in loads:
             try:
                 self._load(slot, key)
@@ -102,6 +106,8 @@ class LoRAModel:
                 for stack in self.stacks.values():
                     stack.clear(slot)
                 self.slots.forget(key)
+        if loads:
+            self.step_load_s = time.perf_counter() - started
         kept = set(self.slots.cached())
         self._cpu = {key: w for key, w in self._cpu.items() if key in kept}
         self.batch.set_token_slots(np.repeat(np.asarray(slots), np.asarray(num_new_tokens)))

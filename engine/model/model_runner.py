@@ -294,11 +294,11 @@ class ModelRunner:
         # forward pass runs; nothing changes a grammar's state before the sampler reads it.
         grammars = [g for r in samplers or () if (g := r.grammar) is not None]
         bitmask = self._grammar_pool.submit(fill_bitmasks, grammars) if grammars else None
-        lora_errors = {}
+        output = ModelRunnerOutput()
         if self.lora is not None:
-            lora_errors = self.lora.prepare(step.lora_requests, step.num_new_tokens)
+            output.lora_errors = self.lora.prepare(step.lora_requests, step.num_new_tokens)
+            output.lora_load_s = self.lora.step_load_s
         hidden = self.model(input_ids, positions, meta)
-        output = ModelRunnerOutput(lora_errors=lora_errors)
         if poolers:
             assert self.pooler is not None, "pooling requests reached a generating engine"
             with record_function("shoal::pool"):

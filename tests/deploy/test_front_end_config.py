@@ -71,6 +71,14 @@ def test_the_routing_policy_is_cache_aware_unless_chosen() -> None:
         _config_of("--routing-policy", "random")
 
 
+def test_the_cost_of_loading_an_adapter_is_the_policys_unless_given() -> None:
+    assert _config_of().lora_load_cost is None
+    assert _config_of("--routing-lora-load-cost", "0").lora_load_cost == 0.0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            _config_of("--routing-lora-load-cost", bad)
+
+
 def test_the_migration_limit_defaults_to_three_and_refuses_a_negative(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

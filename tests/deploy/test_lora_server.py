@@ -198,6 +198,13 @@ def test_metrics_show_each_ranks_slots_and_loads(files: dict[str, str]) -> None:
     ]
     assert [float(line.rsplit(" ", 1)[1]) for line in loads] == [2.0, 2.0], loads
 
+    def values(name: str) -> list[float]:
+        return [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name)]
+
+    assert values("shoal:lora_adapter_evictions_total") == [0.0, 0.0]  # two slots, two adapters
+    seconds = values("shoal:lora_adapter_load_seconds_total")
+    assert len(seconds) == 2 and seconds[0] > 0 and seconds[0] == seconds[1], seconds
+
 
 def test_load_and_unload_under_load_fail_no_other_request(
     url: str, client: openai.OpenAI, files: dict[str, str]

@@ -191,6 +191,30 @@ def test_make_policy_knows_the_cli_names() -> None:
         raise AssertionError("an unknown policy name was accepted")
 
 
+def test_make_policy_sets_the_cost_of_loading_an_adapter() -> None:
+    """Rank 0 holds the adapter and has 300 tokens more to do: the default cost (512) keeps
+    the request there; a cost of 0 sends it to the idler rank 1."""
+    router = RequestRouter()
+    router.load(0).update_stats(
+        SchedulerStats(num_pending_prefill_tokens=300, lora_live=["sql"], max_loras=2), 0
+    )
+    router.load(1).update_stats(SchedulerStats(max_loras=2), 0)
+    request = RouteRequest(100, lora_name="sql")
+    views = [
+        RankView(r, router.load(r), 0, 0, has_lora=router.load(r).holds_lora("sql"))
+        for r in (0, 1)
+    ]
+    held = make_policy("cache-aware").choose(request, views)
+    assert (held.rank, held.reason) == (0, "lora")
+    assert make_policy("cache-aware", lora_load_cost=0).choose(request, views).rank == 1
+    try:
+        make_policy("cache-aware", lora_load_cost=-1)
+    except ValueError as e:
+        assert "lora_load_cost" in str(e)
+    else:
+        raise AssertionError("a negative cost was accepted")
+
+
 def test_at_equal_cache_cache_aware_chooses_as_least_loaded_does() -> None:
     # No rank holds more of the prompt than another: the cache term is the same everywhere,
     # so both policies pick the same rank for every load (the bench's equal-cache target).

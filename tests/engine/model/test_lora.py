@@ -207,8 +207,8 @@ def test_a_gguf_base_takes_adapters(tmp_path: Path) -> None:
 def test_adapters_kept_in_cpu_memory_are_not_read_again(
     base: dict, max_cpu_loras: int | None, num_reads: int
 ) -> None:
-    """One slot, three adapters in turn, twice: six loads; from disk each time, or once each
-    when CPU memory keeps all three."""
+    """One slot, three adapters in turn, twice: six loads, all but the first evicting the one
+    before; from disk each time, or once each when CPU memory keeps all three."""
     adapters = base["adapters"]
     config = EngineConfig.from_kwargs(
         base["path"], max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8,
@@ -229,6 +229,7 @@ def test_adapters_kept_in_cpu_memory_are_not_read_again(
     assert core.collective_rpc("lora_disk_reads") == [num_reads]
     stats = core.scheduler.make_stats()
     assert stats.num_lora_loads_total == 6 and stats.lora_live == ["mlp-qv"]
+    assert stats.num_lora_evictions_total == 5 and stats.lora_load_seconds_total > 0
     assert stats.lora_cached == (["all", "attn", "mlp-qv"] if max_cpu_loras else ["mlp-qv"])
 
 
