@@ -201,8 +201,7 @@ def test_make_policy_sets_the_cost_of_loading_an_adapter() -> None:
     router.load(1).update_stats(SchedulerStats(max_loras=2), 0)
     request = RouteRequest(100, lora_name="sql")
     views = [
-        RankView(r, router.load(r), 0, 0, has_lora=router.load(r).holds_lora("sql"))
-        for r in (0, 1)
+        RankView(r, router.load(r), 0, 0, has_lora=router.load(r).holds_lora("sql")) for r in (0, 1)
     ]
     held = make_policy("cache-aware").choose(request, views)
     assert (held.rank, held.reason) == (0, "lora")
