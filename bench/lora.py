@@ -25,7 +25,8 @@ system: output tokens per second, TTFT p50 / p90, and the adapter loads and evic
 exports no such counter); then the ratios the targets name, the CPU and the load average.
 
     .venv/bin/python bench/lora.py [--rounds 1] [--rate 3] [--num-requests 240] \
-        [--systems "shoal lora-aware,shoal cache-aware,vllm"] [--max-loras 4]
+        [--systems "shoal lora-aware,shoal cache-aware,vllm"] [--max-loras 4] \
+        [--lora-load-cost TOKENS]
 """
 
 from __future__ import annotations
@@ -232,6 +233,14 @@ def report(results: dict[str, list[Run]]) -> None:
             print(line)
 
 
+def shoal_flags(system: str, lora_load_cost: float | None) -> tuple[str, ...]:
+    if system == CACHE_AWARE:
+        return ("--routing-lora-load-cost", "0")
+    if system == LORA_AWARE and lora_load_cost is not None:
+        return ("--routing-lora-load-cost", str(lora_load_cost))
+    return ()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
@@ -241,6 +250,9 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
     parser.add_argument("--max-loras", type=int, default=4, help="adapter slots per rank")
     parser.add_argument("--systems", default=f"{LORA_AWARE},{CACHE_AWARE},{VLLM}")
+    parser.add_argument(
+        "--lora-load-cost", type=float, help="lora-aware's --routing-lora-load-cost (its default)"
+    )
     parser.add_argument("--kv-blocks", type=int, default=256, help="per rank, 32 tokens each")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -280,7 +292,7 @@ def main() -> None:
                 max_model_len=2048,
                 start_timeout_s=args.start_timeout,
                 extra_flags=lora_flags,
-                shoal_flags=("--routing-lora-load-cost", "0") if system == CACHE_AWARE else (),
+                shoal_flags=shoal_flags(system, args.lora_load_cost),
                 vllm_python=sys.executable,
             )
             peer = "vllm" if system == VLLM else "shoal cache-aware"
