@@ -36,7 +36,6 @@ import asyncio
 import random
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefix_routing import model_path
-from prefix_routing_peers import SERVED_NAME, ServerConfig, new_log_dir, serving
+from prefix_routing_peers import (
+    SERVED_NAME,
+    ServerConfig,
+    metric_totals,
+    new_log_dir,
+    serving,
+    stream_completion,
+)
 from prefix_routing_workload import TOKEN_IDS, percentile
 
 from bench.cpu import cpu_kind
@@ -106,39 +112,14 @@ def make_adapters(base: str) -> dict[str, str]:
 
 def lora_counters(port: int) -> tuple[float | None, float | None]:
     """(loads, evictions) summed over a server's engines, or None where it has no counter."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("shoal:lora_adapter_loads_total", "shoal:lora_adapter_evictions_total"):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return (
-        totals.get("shoal:lora_adapter_loads_total"),
-        totals.get("shoal:lora_adapter_evictions_total"),
-    )
+    loads, evictions = "shoal:lora_adapter_loads_total", "shoal:lora_adapter_evictions_total"
+    totals = metric_totals(port, (loads, evictions))
+    return totals.get(loads), totals.get(evictions)
 
 
 async def _one(client: Any, model: str, prompt: list[int], max_tokens: int, run: Run) -> None:
-    sent = time.monotonic()
-    first = None
-    try:
-        stream = await client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if first is None and chunk.choices:
-                first = time.monotonic() - sent
-            if chunk.usage is not None:
-                run.num_output_tokens += chunk.usage.completion_tokens
-    except Exception as e:  # a failed request is counted and reported, not fatal
-        print(f"  request failed: {e!r}", flush=True)
+    first, num_tokens = await stream_completion(client, model, prompt, max_tokens)
+    run.num_output_tokens += num_tokens
     if first is None:
         run.num_failed += 1
     else:

@@ -155,25 +155,36 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s
     raise RuntimeError(f"no /health within {timeout_s:.0f} s (log {log})")
 
 
-def prefix_cache_counters(port: int) -> tuple[float, float]:
-    """(hits, queries) in prompt tokens, summed over the engines a server's /metrics lists."""
+def metric_totals(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Each of `names` summed over the series a server's /metrics lists (its engines); a name
+    it does not export is left out."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    totals: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
-async def _turn(client: Any, prompt: list[int], max_tokens: int, run: Run) -> bool:
-    """One streamed completion; records its TTFT and output tokens. False if it failed."""
+def prefix_cache_counters(port: int) -> tuple[float, float]:
+    """(hits, queries) in prompt tokens, summed over the engines a server's /metrics lists."""
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    totals = metric_totals(port, (hits, queries))
+    return totals.get(hits, 0.0), totals.get(queries, 0.0)
+
+
+async def stream_completion(
+    client: Any, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float | None, int]:
+    """One streamed greedy completion of exactly `max_tokens`: (its TTFT in seconds, or None if
+    it failed; its output tokens)."""
     sent = time.monotonic()
-    first = None
+    first, num_tokens = None, 0
     try:
         stream = await client.completions.create(
-            model=SERVED_NAME,
+            model=model,
             prompt=prompt,
             max_tokens=max_tokens,
             temperature=0.0,
@@ -185,9 +196,16 @@ async def _turn(client: Any, prompt: list[int], max_tokens: int, run: Run) -> bo
             if first is None and chunk.choices:
                 first = time.monotonic() - sent
             if chunk.usage is not None:
-                run.num_output_tokens += chunk.usage.completion_tokens
+                num_tokens += chunk.usage.completion_tokens
     except Exception as e:  # a failed request is counted and reported, not fatal
         print(f"  request failed: {e!r}", flush=True)
+    return first, num_tokens
+
+
+async def _turn(client: Any, prompt: list[int], max_tokens: int, run: Run) -> bool:
+    """One streamed completion; records its TTFT and output tokens. False if it failed."""
+    first, num_tokens = await stream_completion(client, SERVED_NAME, prompt, max_tokens)
+    run.num_output_tokens += num_tokens
     if first is None:
         run.num_failed += 1
         return False
