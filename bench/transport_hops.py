@@ -96,14 +96,17 @@ def echo_hops(address: str, pull_address: str, ready: Connection) -> None:
             while True:
                 _identity, payload = router.recv_multipart()
                 inbox.put(payload)
-        except zmq.ContextTerminated:
-            return
+        except zmq.ContextTerminated:  # term() below: the socket is this thread's to close
+            router.close(linger=0)
 
     threading.Thread(target=receive, daemon=True).start()
     ready.send(router.getsockopt_string(zmq.LAST_ENDPOINT))
     while (payload := inbox.get()) != b"stop":
         push.send(payload)
-    ctx.destroy(linger=0)
+    # Not destroy(): closing the ROUTER under the thread blocked in its recv fails that recv
+    # with ENOTSOCK. term() wakes the recv with ContextTerminated and waits for the close.
+    push.close(linger=0)
+    ctx.term()
 
 
 class HopFloor:
