@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import threading
@@ -52,7 +51,7 @@ from shoal.deploy.openai.limits import (
 )
 from shoal.deploy.openai.lora import LoRAModule, add_lora_args, serve_lora_modules
 from shoal.deploy.openai.state import ServerState
-from shoal.deploy.openai.tenants import TenantTable, load_tenants
+from shoal.deploy.openai.tenants import TenantTable, load_tenants, read_key
 from shoal.deploy.openai.tools import ToolCallConfig, add_tool_args, tool_config_from_args
 from shoal.deploy.preflight import bind_http_port, check_not_negative
 from shoal.deploy.ray_connection import add_ray_args, connect_ray
@@ -229,7 +228,7 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
     if args.api_key_file is not None:
         tenants = load_tenants(args.api_key_file)
     else:
-        tenants = TenantTable.single(_key(None, args.api_key, "--api-key", API_KEY_ENV))
+        tenants = TenantTable.single(read_key(None, args.api_key, "--api-key", API_KEY_ENV))
     return FrontEndConfig(
         namespace=args.namespace,
         host=args.host,
@@ -239,7 +238,7 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
         admission=admission_gate.admission_config_from_args(args),
         served_model_names=tuple(args.served_model_name or ()),
         data_parallel_address=args.data_parallel_address,
-        admin_api_key=_key(
+        admin_api_key=read_key(
             args.admin_api_key_file, args.admin_api_key, "--admin-api-key", ADMIN_API_KEY_ENV
         ),
         limits=limits_from_args(args),
@@ -252,28 +251,6 @@ def front_end_config(args: argparse.Namespace, port: int) -> FrontEndConfig:
         generation_config=args.generation_config,
         lora_modules=tuple(args.lora_modules or ()),
     )
-
-
-def _key(path: str | None, given: str | None, flag: str, env: str) -> str | None:
-    """A key from its file, its flag (with a warning), or its environment variable."""
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read {flag}-file {path}: {e.strerror}") from e
-        if not key:
-            raise ValueError(f"{flag}-file {path} is empty")
-        return key
-    if given:
-        logger.warning(
-            "%s on the command line is visible to anyone who can list processes or read the "
-            "job's entrypoint; use %s-file",
-            flag,
-            flag,
-        )
-        return given
-    return os.environ.get(env) or None
 
 
 async def serve_front_end(

@@ -12,14 +12,20 @@ relative to the others; `max_concurrency` caps its requests admitted at once (de
 `max_queued` caps its requests waiting for admission (default `--max-queued-requests-per-tenant`).
 `--api-key` and `SHOAL_API_KEY` give one key, tenant `default`. Without any key every request
 is tenant `default`. Keys are matched by their SHA-256 digest, so a lookup's time does not
-depend on how much of a wrong key matches a right one; no key is ever logged.
+depend on how much of a wrong key matches a right one; no key is ever logged. `read_key`
+reads a single key (the tenant `default`'s or the admin key) from its file, flag or
+environment variable.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 _NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
@@ -156,3 +162,29 @@ def _option_value(name: str, value: str, where: str) -> float | int:
     if name != "weight" and number < lowest:
         raise ValueError(f"{where}: {name} must be at least {lowest}, not {value}")
     return number
+
+
+def read_key(path: str | None, given: str | None, flag: str, env: str) -> str | None:
+    """A key from its file, its flag (with a warning), or its environment variable.
+
+    Raises:
+        ValueError: the file cannot be read, or is empty.
+    """
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read {flag}-file {path}: {e.strerror}") from e
+        if not key:
+            raise ValueError(f"{flag}-file {path} is empty")
+        return key
+    if given:
+        logger.warning(
+            "%s on the command line is visible to anyone who can list processes or read the "
+            "job's entrypoint; use %s-file",
+            flag,
+            flag,
+        )
+        return given
+    return os.environ.get(env) or None
