@@ -256,6 +256,8 @@ def main() -> None:
     if args.worker:
         serve_job(args.job, worker_shoal if args.worker == "shoal" else worker_vllm)
         return
+    if args.arch and args.with_dense:
+        parser.error("--with-dense adds shoal on safetensors, which --arch already serves")
     args.model, args.vocab_size = None, 49152
     if args.arch:
         from bench.engine_throughput import REALISTIC, random_checkpoint

@@ -232,7 +232,9 @@ def main() -> None:
     parser.add_argument("--max-loras", type=int, default=4, help="adapter slots per rank")
     parser.add_argument("--systems", default=f"{LORA_AWARE},{CACHE_AWARE},{VLLM}")
     parser.add_argument(
-        "--lora-load-cost", type=float, help="lora-aware's --routing-lora-load-cost (its default)"
+        "--lora-load-cost",
+        type=float,
+        help="lora-aware's --routing-lora-load-cost (default: shoal's)",
     )
     parser.add_argument("--kv-blocks", type=int, default=256, help="per rank, 32 tokens each")
     parser.add_argument("--start-timeout", type=float, default=600.0)
