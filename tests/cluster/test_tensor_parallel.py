@@ -225,6 +225,16 @@ async def _when_moved(driver: AsyncLLM, count: int, victim: int) -> Moved:
     return Moved(time.monotonic(), victim in client.lb_engines)
 
 
+async def _routable(driver: AsyncLLM, rank: int, timeout_s: float = 60) -> None:
+    """Once the registry shows `rank` ready again, each client attaches the new incarnation on
+    its own: wait for `driver`'s before pinning a request to it."""
+    client = dplb_client(driver)
+    deadline = time.monotonic() + timeout_s
+    while rank not in client.lb_engines:
+        assert time.monotonic() < deadline, (rank, client.lb_engines)
+        await asyncio.sleep(0.05)
+
+
 def _is_running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -300,6 +310,7 @@ async def test_a_killed_tp_worker_takes_its_rank_down_and_the_rank_comes_back_wh
     assert not any(_is_running(pid) for pid in old_pids)
     assert status["ranks"][survivor]["incarnation"] == before["ranks"][survivor]["incarnation"]
     assert [f["rank"] for f in status["rank_failures"]] == [victim]
+    await _routable(drivers[0], victim)
     _assert_served(await _stream(drivers[0], PROMPTS[1], rank=victim), references)
 
 
@@ -342,6 +353,7 @@ async def test_a_hung_tp_worker_ends_its_rank_at_the_collective_timeout(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(old_pids[1], signal.SIGKILL)
+    await _routable(driver, victim)
     _assert_served(await _stream(driver, PROMPTS[2], rank=victim), references)
 
 
