@@ -53,3 +53,28 @@ def assert_greedy_matches(actual: list[int], reference: GreedyTrace, *, label: s
             return i
     assert len(actual) == len(reference.token_ids), f"{label}: length {len(actual)}"
     return len(actual)
+
+
+def assert_resumed_greedy_matches(
+    model: torch.nn.Module, prompt_ids: list[int], actual: list[int], *, label: str = ""
+) -> None:
+    """A greedy request that moved once to another rank, mid-decode: HF's greedy tokens up to the
+    first place they part, then, from there, HF's greedy continuation of the request's own
+    tokens so far.
+
+    The new rank recomputed the request's whole prefix in one pass, where HF decoded it a token
+    at a time. In a mixture-of-experts model a router near-tie in that prefix can send a token
+    to another expert, which moves the next logits by more than any float tie: the reference
+    for what follows is HF's recomputation of the same prefix (its first forward is one pass
+    over it). A token lost or repeated in the move still fails, as the continuation of a wrong
+    prefix.
+    """
+    reference = hf_greedy(model, prompt_ids, len(actual))
+    parted = next(
+        (i for i, (a, b) in enumerate(zip(actual, reference.token_ids, strict=True)) if a != b),
+        None,
+    )
+    if parted is None:
+        return
+    resumed = hf_greedy(model, prompt_ids + actual[:parted], len(actual) - parted)
+    assert_greedy_matches(actual[parted:], resumed, label=f"{label} (after token {parted})")
