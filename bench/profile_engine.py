@@ -1,7 +1,9 @@
 """Where an engine step's time goes: the offline workload of `bench/engine_vs_vllm.py`, or one
 cold prefill on the tiny model of `bench/prefix_routing.py`.
 
-Default: the 32-request workload on SmolLM2-135M in-process under `torch.profiler`, the wall
+Default: the 32-request workload on SmolLM2-135M (`--arch A`: on the random realistic-width
+checkpoint of architecture A that `engine_vs_vllm.py --arch A` serves) in-process under
+`torch.profiler`, the wall
 time of all steps split into: matmuls (projections and the LM head), prefill attention, decode
 attention, the K/V writes into the pool, the other tensor ops of the forward (norms, rotary,
 activations, embedding), sampling, input preparation, and the remainder (scheduler, output
@@ -13,7 +15,7 @@ Llama the prefix-routing bench serves (`--hidden-size`), one thread and a 512-to
 as each of that bench's ranks: first `--repeats` timed prefills without the profiler (each a
 new prompt; min and median), then one under it, split as above.
 
-    .venv/bin/python bench/profile_engine.py [--shoal-arg max_num_batched_tokens=1024 ...]
+    .venv/bin/python bench/profile_engine.py [--arch qwen3_moe] [--shoal-arg k=v ...]
     .venv/bin/python bench/profile_engine.py --prefill-tokens 900 [--repeats 5]
 """
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument(
         "--num-requests", type=int, default=32, help="the workload's first N requests"
     )
+    parser.add_argument("--arch", help="the offline workload on a random realistic checkpoint")
     parser.add_argument("--prefill-tokens", type=int, help="profile one cold prefill instead")
     parser.add_argument("--hidden-size", type=int, default=512, help="with --prefill-tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed cold prefills")
@@ -91,11 +94,14 @@ def drain(core: EngineCore) -> int:
 
 
 def offline(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
-    config = EngineConfig.from_kwargs(
-        smollm2_gguf_path(), dtype="float32", max_model_len=1024, **kwargs
-    )
+    model, vocab_size = smollm2_gguf_path(), 49152
+    if args.arch:
+        from bench.engine_throughput import REALISTIC, random_checkpoint
+
+        model, vocab_size = random_checkpoint(args.arch), int(REALISTIC["vocab_size"])
+    config = EngineConfig.from_kwargs(model, dtype="float32", max_model_len=1024, **kwargs)
     core = EngineCore(config)
-    prompts, max_tokens = make_workload("offline", 0)
+    prompts, max_tokens = make_workload("offline", 0, vocab_size=vocab_size)
     prompts, max_tokens = prompts[: args.num_requests], max_tokens[: args.num_requests]
     submit(core, "warm", [prompts[0][:64], prompts[-1][:16]], [4, 4])
     drain(core)

@@ -1,7 +1,7 @@
 """`LoRAModel`: a model's LoRA serving state on one worker — a `LoRAStack` on every adaptable
 projection, the slot table, and the step's grouping of rows by adapter.
 
-Each step, the adapters of the step's requests get slots (`LoRASlots`, least recently used out);
+Each step, the adapters of the step's requests get slots (`LoRASlots`: the least used out);
 an adapter new to its slot is read from its folder and written in, narrowed to this worker's
 shard (column-parallel projections: B's output rows; row-parallel: A's input columns) with B
 scaled by alpha/r. An adapter's tensors are read from disk once and kept in CPU memory while
