@@ -3,8 +3,7 @@ cold prefill on the tiny model of `bench/prefix_routing.py`.
 
 Default: the 32-request workload on SmolLM2-135M (`--arch A`: on the random realistic-width
 checkpoint of architecture A that `engine_vs_vllm.py --arch A` serves) in-process under
-`torch.profiler`, the wall
-time of all steps split into: matmuls (projections and the LM head), prefill attention, decode
+`torch.profiler`, the wall time of all steps split into: matmuls (projections and the LM head), prefill attention, decode
 attention, the K/V writes into the pool, the other tensor ops of the forward (norms, rotary,
 activations, embedding), sampling, input preparation, and the remainder (scheduler, output
 handling, Python between ops). The profiler adds a few microseconds per op, so small-op

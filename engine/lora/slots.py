@@ -3,9 +3,9 @@ its CPU memory keeps (`max_cpu_loras`, least recently used out, never a live one
 the model's stacked A/B weights are indexed by the slots it hands out, and its CPU copies follow
 `cached()`.
 
-Eviction. When an adapter needs a slot and none is free, the adapter pushed out is the one of
-least recent use *in frequency*: each adapter's count of the steps it ran in, halved every
-`HALF_LIFE_STEPS` steps, lowest first, ties to the least recently used. Least-recently-used
+Eviction. When an adapter needs a slot and none is free, the least used one is pushed out:
+each adapter counts the steps it ran in, every count halves each `HALF_LIFE_STEPS` steps, and
+the lowest count goes first, ties to the least recently used. Least-recently-used
 alone evicts a popular adapter that sat idle for a moment in favour of a one-off; under a
 skewed popularity that churns the slots (`bench/lora.py`).
 
