@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import ray
@@ -86,19 +87,17 @@ class EngineCoreActor:
         node_ip = host or ray.util.get_node_ip_address()
         own_keys = rank_keys or CurveKeyPair.generate()
         progress.report("building the engine: weights, KV cache, sockets")
+        self._busy_loop = EngineThread(lambda: self._build_proc(registry, node_ip, own_keys), rank)
         with progress.following_engine_logs():  # the weights' loading progress, in percent
-            self.proc = self._build_proc(registry, node_ip, own_keys)
+            self.proc = self._busy_loop.wait_built()
         progress.report("registering its endpoint")
         progress.close()  # every report arrives before the registration
         self.endpoint: EngineEndpoint = self.proc.endpoint
-        self._busy_loop = threading.Thread(
-            target=self._run_busy_loop, name=f"shoal-busy-loop-{rank}", daemon=True
-        )
         # The model and startup objects live as long as the process: keep them out of every
         # future garbage collection, which would otherwise scan them on the hot path.
         gc.collect()
         gc.freeze()
-        self._busy_loop.start()
+        self._busy_loop.serve()
         try:
             self.incarnation: int = self._register(registry, node_ip, own_keys)
         except BaseException:
@@ -162,17 +161,6 @@ class EngineCoreActor:
             RankWorker(w.tp_rank, w.pid, w.device, node_ip, node_id, engine.name)
             for w in engine.describe_workers()
         ]
-
-    def _run_busy_loop(self) -> None:
-        try:
-            self.proc.run_busy_loop()
-        except BaseException:
-            logger.exception(
-                "rank %d: busy loop failed; exiting so Ray restarts the actor", self.rank
-            )
-            # The proc has told its clients (ENGINE_CORE_DEAD). Ending the worker process is
-            # what lets Ray notice, restart this actor, and the registry mark the rank DEAD.
-            os._exit(1)
 
     @ray.method
     def ready(self) -> EngineEndpoint:
@@ -272,6 +260,67 @@ class EngineCoreActor:
     def _shutdown(self) -> None:
         self.proc.shutdown()
         self._busy_loop.join(timeout=10)
+
+
+class EngineThread(threading.Thread):
+    """The thread that builds a rank's engine and then runs its busy loop.
+
+    One thread does both because of how OpenMP runs on a CPU: the runtime keeps a pool of
+    worker threads for every thread that has run a parallel region, and once the pools' threads
+    outnumber the CPUs, libgomp stops spinning between regions. An engine built (weights, KV
+    cache, warm-up forwards) on the actor's constructor thread and stepped on another leaves
+    two pools, and each of a decode step's hundreds of small regions then waits for its
+    workers to be woken (on 2 cores, a small parallel add took about 1.4x as long that way).
+
+    States: building → built (or failed: `wait_built` raises the build's error and the thread
+    ends) → serving (`serve`) → ended (the loop returned after `shutdown`, or the process
+    exits: a loop that fails ends the worker process, so Ray restarts the actor).
+
+    Args:
+        build: makes the engine (called on this thread).
+        rank: the rank, for the thread's name and logs.
+    """
+
+    def __init__(self, build: Callable[[], EngineCoreProc], rank: int) -> None:
+        super().__init__(name=f"shoal-busy-loop-{rank}", daemon=True)
+        self.rank = rank
+        self._build = build
+        self._proc: EngineCoreProc | None = None
+        self._error: BaseException | None = None
+        self._built = threading.Event()
+        self._go = threading.Event()
+        self.start()
+
+    def wait_built(self) -> EngineCoreProc:
+        """Blocks until the engine is built; returns it, or raises what the build raised."""
+        self._built.wait()
+        if self._proc is None:
+            assert self._error is not None
+            raise self._error
+        return self._proc
+
+    def serve(self) -> None:
+        """Starts the busy loop (after `wait_built` returned)."""
+        self._go.set()
+
+    def run(self) -> None:
+        try:
+            self._proc = self._build()
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
+        try:
+            self._proc.run_busy_loop()
+        except BaseException:
+            logger.exception(
+                "rank %d: busy loop failed; exiting so Ray restarts the actor", self.rank
+            )
+            # The proc has told its clients (ENGINE_CORE_DEAD). Ending the worker process is
+            # what lets Ray notice, restart this actor, and the registry mark the rank DEAD.
+            os._exit(1)
 
 
 # What callers hold: Ray's typed proxy, so mypy checks every `.remote` call's method,
