@@ -236,7 +236,8 @@ def wait_for_node(resource: str, timeout_s: float = 60.0) -> str:
 def _group_with_descendants(pgid: int) -> list[psutil.Process]:
     members: dict[int, psutil.Process] = {}
     for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
+        # A process may exit between the listing and the lookup of its group.
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(p.pid) == pgid:
                 members[p.pid] = p
     for p in list(members.values()):
