@@ -11,7 +11,6 @@ import queue
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -257,8 +256,3 @@ async def client_outputs_per_s(num_batches: int) -> float:
     finally:
         client.shutdown()
     return num_outputs / elapsed
-
-
-def best_of(num_runs: int, measure: Callable[[], float]) -> float:
-    """The best of a few runs: other load on the machine only ever slows a run down."""
-    return max(measure() for _ in range(num_runs))

@@ -111,10 +111,23 @@ class ClusterHandle:
             epoch = membership.epoch
 
     def engine(self, rank: int) -> EngineActorHandle:
-        """The engine actor of `rank`, looked up by name when this handle has not seen it."""
-        if rank not in self.engines:
-            self.engines[rank] = ray.get_actor(engine_actor_name(rank), namespace=self.namespace)
-        return self.engines[rank]
+        """The engine actor of `rank` now, looked up by name on every call.
+
+        A handle cannot tell by itself that another driver removed the rank and started a new
+        one in its place (a resize down and up again), so the actor it saw before may be dead
+        for good; the one named for the rank is the live one. The cached actor is returned
+        only while the name is not yet (or no longer) in Ray's table.
+
+        Raises:
+            ValueError: no actor of `rank` is named or cached.
+        """
+        named = get_named_actor(engine_actor_name(rank), self.namespace)
+        if named is not None:
+            self.engines[rank] = named
+            return named
+        if rank in self.engines:
+            return self.engines[rank]
+        raise ValueError(f"no engine actor of rank {rank} in namespace {self.namespace!r}")
 
     def shutdown(self) -> None:
         """Stops every engine, then removes all actors and placement groups of the cluster.

@@ -1,7 +1,8 @@
 """Elastic resizes of real clusters on a local Ray while two drivers stream greedy requests:
 expert-parallel (tiny Mixtral over gloo) and dense (tiny Llama), up and down and to uneven
 splits (the drivers' prefix-cache indexes following), a new rank killed while it joins, a
-rollback that undoes only what was created, two resizes at once, and ten cycles in a row."""
+rollback that undoes only what was created, two resizes at once, ten cycles in a row, and a
+handle that follows a rank another driver replaced."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import ray
 from shoal.actors.membership import RankState
 from shoal.client import AsyncLLM, SamplingParams
 from shoal.cluster.elastic import ScaleError, ScaleInProgressError, ScaleReport, _Resize, scale
-from shoal.cluster.launch import ClusterHandle, LaunchOptions, launch
+from shoal.cluster.launch import ClusterHandle, LaunchOptions, attach, launch
 from shoal.cluster.placement import (
     RankResources,
     create_rank_placement_group,
@@ -294,6 +295,22 @@ def test_two_resizes_at_once_one_proceeds_and_the_other_is_refused(
     assert done[0].outcome == "committed"
     assert dense_cluster.status()["data_parallel_size"] == 3
     assert scale(dense_cluster, 2).outcome == "committed"
+
+
+def test_a_handle_follows_a_rank_another_driver_replaced(dense_cluster: ClusterHandle) -> None:
+    """Another driver's resize down and up again replaces rank 2's actor; this handle, which
+    saw the old one, reaches the new one and stops it at shutdown."""
+    assert scale(dense_cluster, 3).outcome == "committed"
+    old_pid = ray.get(dense_cluster.engine(2).health.remote())["pid"]
+    other = attach(dense_cluster.namespace)
+    assert scale(other, 2).outcome == "committed"
+    assert scale(other, 3).outcome == "committed"
+    new_pid = ray.get(other.engine(2).health.remote())["pid"]
+    assert new_pid != old_pid
+
+    assert ray.get(dense_cluster.engine(2).health.remote(), timeout=30)["pid"] == new_pid
+    dense_cluster.shutdown()
+    assert _named_engines(dense_cluster) == set()
 
 
 def _engine_process_usage(cluster: ClusterHandle, ranks: list[int]) -> dict[int, tuple[int, int]]:
